@@ -1,0 +1,167 @@
+"""Writes a delta directory: content-addressed blocks first, the manifest last.
+
+The directory is built under a temporary name beside the destination and
+renamed into place at the end, so a crashed ``dcr diff`` never leaves
+something that looks like a delta.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import ConflictError
+from ..format.codec import EncodedItem
+from ..format.digest import digest_bytes
+from ..format.manifest import (
+    BLOCKS_DIR,
+    MANIFEST_NAME,
+    TARGET_BLOCK_BYTES,
+    BlockEntry,
+    BlockRole,
+    Item,
+    Manifest,
+    Section,
+    TensorEntry,
+    VersionRef,
+)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file so that readers see the old content or the new, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _BlockPacker:
+    """Packs sections of one role into block files of about TARGET_BLOCK_BYTES."""
+
+    def __init__(self, writer: DeltaWriter, role: BlockRole) -> None:
+        self.writer, self.role = writer, role
+        self.buffer = bytearray()
+        self.pending: list[tuple[int, str, int, int, str]] = []  # (item index, field, offset, length, digest)
+
+    def add(self, item_index: int, field: str, data: bytes) -> None:
+        self.pending.append((item_index, field, len(self.buffer), len(data), digest_bytes(data)))
+        self.buffer += data
+        if len(self.buffer) >= self.writer.block_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        index = self.writer._store_block(bytes(self.buffer), self.role)
+        for item_index, field, offset, length, digest in self.pending:
+            self.writer._sections[item_index][field] = Section(index, offset, length, digest)
+        self.buffer = bytearray()
+        self.pending = []
+
+
+class DeltaWriter:
+    """Collects encoded items and writes them as a delta directory at ``out``.
+
+    Items are placed into blocks in the order they are added, so adding them
+    in a deterministic order gives byte-identical deltas for identical inputs.
+    """
+
+    def __init__(self, out: str | os.PathLike[str], *, block_bytes: int = TARGET_BLOCK_BYTES) -> None:
+        self.out = Path(out)
+        if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+            raise ConflictError(f"{self.out} already exists; choose a new output path or remove it")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.block_bytes = block_bytes
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self._tmp, 0o777 & ~umask)  # mkdtemp makes it private; a delta is ordinary data
+        (self._tmp / BLOCKS_DIR).mkdir()
+        self._lock = threading.Lock()
+        self._items: list[EncodedItem] = []
+        self._sections: list[dict[str, Section]] = []
+        self._blocks: list[BlockEntry] = []
+        self._packers = {"data": _BlockPacker(self, "data"), "repair": _BlockPacker(self, "repair")}
+
+    def _store_block(self, data: bytes, role: BlockRole) -> int:
+        block_id = digest_bytes(data)
+        path = self._tmp / BLOCKS_DIR / block_id
+        if not path.exists():
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        self._blocks.append(BlockEntry(block_id, len(data), role))
+        return len(self._blocks) - 1
+
+    def add(self, item: EncodedItem) -> None:
+        with self._lock:
+            index = len(self._items)
+            self._items.append(item)
+            self._sections.append({})
+            self._packers["data"].add(index, "data", item.data)
+            if item.repair is not None:
+                self._packers["repair"].add(index, "repair", item.repair)
+
+    def finish(
+        self,
+        base: VersionRef,
+        target: VersionRef,
+        tensors: dict[str, TensorEntry],
+        extra: dict[str, Any] | None = None,
+    ) -> Manifest:
+        with self._lock:
+            for packer in self._packers.values():
+                packer.flush()
+            items = [
+                Item(
+                    tensor=e.tensor,
+                    region=e.region,
+                    op=e.op,
+                    count=e.count,
+                    data=s["data"],
+                    positions_length=e.positions_length,
+                    pre=e.pre,
+                    post=e.post,
+                    repair=s.get("repair"),
+                    residual=e.residual,
+                    changed=e.changed,
+                )
+                for e, s in zip(self._items, self._sections, strict=True)
+            ]
+            manifest = Manifest(
+                base=base,
+                target=target,
+                tensors=tensors,
+                items=items,
+                blocks=self._blocks,
+                created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                producer=f"dcr {__version__}",
+                extra=dict(extra or {}),
+            )
+            write_atomic(self._tmp / MANIFEST_NAME, manifest.to_json_bytes())
+            fsync_dir(self._tmp / BLOCKS_DIR)
+            if self.out.exists():
+                self.out.rmdir()  # empty, checked in __init__
+            os.replace(self._tmp, self.out)
+            fsync_dir(self.out.parent)
+            return manifest
+
+    def abort(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)

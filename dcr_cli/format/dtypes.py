@@ -1,0 +1,63 @@
+"""Stored dtypes and the unsigned integer views that dcr compares and applies through.
+
+dcr never does float arithmetic on weights: every element is handled as the
+unsigned integer of its stored width, so NaN payloads, -0.0/+0.0 and every
+other bit pattern survive unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import FormatError
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # safetensors spelling, e.g. "BF16"
+    itemsize: int  # bytes per element
+
+    @property
+    def uint(self) -> np.dtype:
+        """The unsigned integer dtype of the same width, little-endian."""
+        return np.dtype(f"<u{self.itemsize}")
+
+
+_DTYPES = {
+    d.name: d
+    for d in (
+        DType("BOOL", 1),
+        DType("U8", 1),
+        DType("I8", 1),
+        DType("F8_E4M3", 1),
+        DType("F8_E5M2", 1),
+        DType("U16", 2),
+        DType("I16", 2),
+        DType("F16", 2),
+        DType("BF16", 2),
+        DType("U32", 4),
+        DType("I32", 4),
+        DType("F32", 4),
+        DType("U64", 8),
+        DType("I64", 8),
+        DType("F64", 8),
+    )
+}
+
+SUPPORTED = tuple(_DTYPES)
+
+
+def dtype(name: str) -> DType:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise FormatError(f"unsupported dtype {name!r}; dcr v1 supports {', '.join(SUPPORTED)}") from None
+
+
+def numel(shape: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

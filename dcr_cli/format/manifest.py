@@ -1,0 +1,437 @@
+"""The delta manifest: data model, JSON encoding and validation (format_spec/delta-v1.md).
+
+Parsing is strict about what a reader needs (required fields, types, limits,
+the major version) and lenient about everything else: unknown optional fields
+are ignored so that minor versions can add them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import FormatError
+from .digest import is_digest
+from .dtypes import dtype as lookup_dtype
+from .dtypes import numel
+
+FORMAT_NAME = "dcr.delta"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+
+MANIFEST_NAME = "manifest.json"
+BLOCKS_DIR = "blocks"
+
+# Limits a reader enforces before allocating anything (format_spec §8).
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_BLOCK_BYTES = 1 << 30
+MAX_REGION_ELEMENTS = 1 << 31  # positions are coded as u32 gaps
+TARGET_BLOCK_BYTES = 64 << 20
+
+Op = Literal["xor", "overwrite", "replace"]
+OPS: tuple[str, ...] = ("xor", "overwrite", "replace")
+BlockRole = Literal["data", "repair"]
+
+
+@dataclass(frozen=True)
+class Region:
+    """A part of a canonical tensor: a flat element range or an N-d box.
+
+    Positions inside an item are indices into the region's own C-order
+    enumeration, so one region type serves whole tensors, flat chunks and
+    the per-rank boxes of training shards alike.
+    """
+
+    start: int | None = None  # flat range [start, stop)
+    stop: int | None = None
+    offsets: tuple[int, ...] | None = None  # box
+    sizes: tuple[int, ...] | None = None
+
+    @staticmethod
+    def range(start: int, stop: int) -> Region:
+        return Region(start=int(start), stop=int(stop))
+
+    @staticmethod
+    def box(offsets: tuple[int, ...] | list[int], sizes: tuple[int, ...] | list[int]) -> Region:
+        return Region(offsets=tuple(int(o) for o in offsets), sizes=tuple(int(s) for s in sizes))
+
+    @property
+    def is_box(self) -> bool:
+        return self.offsets is not None
+
+    @property
+    def size(self) -> int:
+        if self.is_box:
+            assert self.sizes is not None
+            return numel(self.sizes)
+        assert self.start is not None and self.stop is not None
+        return self.stop - self.start
+
+    def to_canonical(self, positions: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """Map region-local positions to flat C-order indices of the whole tensor."""
+        positions = positions.astype(np.int64, copy=False)
+        if not self.is_box:
+            assert self.start is not None
+            return positions + self.start
+        assert self.offsets is not None and self.sizes is not None
+        if len(shape) == 0:
+            return positions
+        coords = np.unravel_index(positions, self.sizes)
+        shifted = tuple(c + o for c, o in zip(coords, self.offsets, strict=True))
+        return np.ravel_multi_index(shifted, shape).astype(np.int64, copy=False)
+
+    def check_within(self, shape: tuple[int, ...], where: str) -> None:
+        total = numel(shape)
+        if self.is_box:
+            assert self.offsets is not None and self.sizes is not None
+            if len(self.offsets) != len(shape) or len(self.sizes) != len(shape):
+                raise FormatError(f"{where}: box rank does not match tensor rank {len(shape)}")
+            for o, s, d in zip(self.offsets, self.sizes, shape, strict=True):
+                if o < 0 or s < 0 or o + s > d:
+                    raise FormatError(f"{where}: box {self.offsets}+{self.sizes} outside shape {shape}")
+        else:
+            assert self.start is not None and self.stop is not None
+            if not 0 <= self.start <= self.stop <= total:
+                raise FormatError(f"{where}: range [{self.start}, {self.stop}) outside {total} elements")
+        if self.size > MAX_REGION_ELEMENTS:
+            raise FormatError(f"{where}: region of {self.size} elements exceeds the 2^31 limit")
+
+    def to_json(self) -> dict[str, Any]:
+        if self.is_box:
+            return {"offsets": list(self.offsets or ()), "sizes": list(self.sizes or ())}
+        return {"start": self.start, "stop": self.stop}
+
+    @staticmethod
+    def from_json(obj: Any, where: str) -> Region:
+        if not isinstance(obj, dict):
+            raise FormatError(f"{where}: region must be an object")
+        if "offsets" in obj:
+            offsets, sizes = obj.get("offsets"), obj.get("sizes")
+            if not (_int_list(offsets) and _int_list(sizes)):
+                raise FormatError(f"{where}: box region needs integer lists offsets and sizes")
+            return Region.box(offsets, sizes)
+        start, stop = obj.get("start"), obj.get("stop")
+        if not (_is_int(start) and _is_int(stop)):
+            raise FormatError(f"{where}: region needs integer start and stop, or offsets and sizes")
+        return Region.range(start, stop)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A byte range of one block file, with the digest of exactly those bytes."""
+
+    block: int  # index into Manifest.blocks
+    offset: int
+    length: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"block": self.block, "offset": self.offset, "length": self.length, "digest": self.digest}
+
+    @staticmethod
+    def from_json(obj: Any, where: str) -> Section:
+        if not isinstance(obj, dict):
+            raise FormatError(f"{where}: section must be an object")
+        block, offset, length, digest = (obj.get(k) for k in ("block", "offset", "length", "digest"))
+        if not (_is_int(block) and _is_int(offset) and _is_int(length)) or min(block, offset, length) < 0:
+            raise FormatError(f"{where}: section needs non-negative integers block, offset, length")
+        if not is_digest(digest):
+            raise FormatError(f"{where}: section digest must be 64 lowercase hex characters")
+        return Section(block, offset, length, digest)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One change to one region of one canonical tensor."""
+
+    tensor: str
+    region: Region
+    op: Op
+    count: int  # affected elements (for replace: the region size)
+    data: Section  # zstd(positions) ++ zstd(values); positions absent for replace
+    positions_length: int  # bytes of data that hold the positions frame
+    pre: str  # digest of the affected elements' bytes before
+    post: str  # digest of the affected elements' bytes after
+    repair: Section | None = None  # zstd(target values); present on every xor item
+    residual: str | None = None  # why a producer took the residual (assembled) path
+    changed: int | None = None  # replace only: how many of the region's elements differ
+
+    @property
+    def changed_elements(self) -> int:
+        return self.changed if self.changed is not None else self.count
+
+    def to_json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "tensor": self.tensor,
+            "region": self.region.to_json(),
+            "op": self.op,
+            "count": self.count,
+            "data": {**self.data.to_json(), "positions_length": self.positions_length},
+            "pre": self.pre,
+            "post": self.post,
+        }
+        if self.repair is not None:
+            obj["repair"] = self.repair.to_json()
+        if self.residual is not None:
+            obj["residual"] = self.residual
+        if self.changed is not None:
+            obj["changed"] = self.changed
+        return obj
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str  # of the whole tensor's stored bytes, C order, little-endian
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * lookup_dtype(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class BlockEntry:
+    id: str  # digest of the block file; the file is blocks/<id>
+    size: int
+    role: BlockRole
+
+    @property
+    def path(self) -> str:
+        return f"{BLOCKS_DIR}/{self.id}"
+
+
+@dataclass(frozen=True)
+class VersionRef:
+    version: str
+    fingerprint: str
+
+
+@dataclass
+class Manifest:
+    base: VersionRef
+    target: VersionRef
+    tensors: dict[str, TensorEntry]
+    items: list[Item]
+    blocks: list[BlockEntry]
+    created: str = ""
+    producer: str = ""
+    minor: int = FORMAT_MINOR
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown optional fields, kept verbatim
+
+    def to_json_bytes(self) -> bytes:
+        obj: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": [FORMAT_MAJOR, self.minor],
+            "producer": self.producer,
+            "created": self.created,
+            "base": {"version": self.base.version, "fingerprint": self.base.fingerprint},
+            "target": {"version": self.target.version, "fingerprint": self.target.fingerprint},
+            "blocks": [{"id": b.id, "size": b.size, "role": b.role} for b in self.blocks],
+            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
+            "items": [it.to_json() for it in self.items],
+        }
+        for key, value in self.extra.items():
+            obj.setdefault(key, value)
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+    def payload_bytes(self) -> int:
+        """Bytes a receiver fetches for a normal apply: manifest excluded, repair blocks excluded."""
+        return sum(b.size for b in self.blocks if b.role == "data")
+
+
+def fingerprint(tensors: dict[str, TensorEntry]) -> str:
+    """Model fingerprint: the digest of the canonical tensor table (format_spec §4.3)."""
+    from .digest import digest_bytes
+
+    lines = [
+        f"{name}\t{t.dtype}\t{','.join(str(s) for s in t.shape)}\t{t.digest}\n"
+        for name, t in sorted(tensors.items(), key=lambda kv: kv[0].encode("utf-8"))
+    ]
+    return digest_bytes("".join(lines).encode("utf-8"))
+
+
+def parse_manifest(raw: bytes) -> Manifest:
+    """Parse and validate manifest bytes. Raises FormatError with a one-line reason."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"manifest is not valid JSON ({exc.__class__.__name__}: truncated or corrupt)") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
+        raise FormatError('not a dcr delta manifest (missing "format": "dcr.delta")')
+    version = obj.get("format_version")
+    if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) for v in version)):
+        raise FormatError("manifest format_version must be [major, minor]")
+    major, minor = version
+    if major != FORMAT_MAJOR:
+        raise FormatError(
+            f"delta format major version {major} is not supported by this dcr (reads {FORMAT_MAJOR}.x); upgrade dcr"
+        )
+
+    base = _version_ref(obj.get("base"), "base")
+    target = _version_ref(obj.get("target"), "target")
+
+    blocks_raw = obj.get("blocks")
+    if not isinstance(blocks_raw, list):
+        raise FormatError("manifest blocks must be a list")
+    blocks: list[BlockEntry] = []
+    for i, b in enumerate(blocks_raw):
+        where = f"blocks[{i}]"
+        if not isinstance(b, dict) or not is_digest(b.get("id")) or not _is_int(b.get("size")):
+            raise FormatError(f"{where}: needs a 64-hex id and an integer size")
+        if not 0 <= b["size"] <= MAX_BLOCK_BYTES:
+            raise FormatError(f"{where}: size {b['size']} outside 0..{MAX_BLOCK_BYTES}")
+        role = b.get("role", "data")
+        if role not in ("data", "repair"):
+            raise FormatError(f"{where}: unknown role {role!r}")
+        blocks.append(BlockEntry(b["id"], b["size"], role))
+
+    tensors_raw = obj.get("tensors")
+    if not isinstance(tensors_raw, dict):
+        raise FormatError("manifest tensors must be an object")
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in tensors_raw.items():
+        where = f"tensor {name!r}"
+        if not isinstance(t, dict):
+            raise FormatError(f"{where}: must be an object")
+        shape = t.get("shape")
+        if not _int_list(shape) or any(s < 0 for s in shape):
+            raise FormatError(f"{where}: shape must be a list of non-negative integers")
+        if not isinstance(t.get("dtype"), str):
+            raise FormatError(f"{where}: dtype must be a string")
+        lookup_dtype(t["dtype"])
+        if not is_digest(t.get("digest")):
+            raise FormatError(f"{where}: digest must be 64 lowercase hex characters")
+        tensors[name] = TensorEntry(t["dtype"], tuple(shape), t["digest"])
+
+    items_raw = obj.get("items")
+    if not isinstance(items_raw, list):
+        raise FormatError("manifest items must be a list")
+    items = [_item(it, i, tensors, blocks) for i, it in enumerate(items_raw)]
+    _check_disjoint(items)
+
+    known = {"format", "format_version", "producer", "created", "base", "target", "blocks", "tensors", "items"}
+    return Manifest(
+        base=base,
+        target=target,
+        tensors=tensors,
+        items=items,
+        blocks=blocks,
+        created=str(obj.get("created", "")),
+        producer=str(obj.get("producer", "")),
+        minor=minor,
+        extra={k: v for k, v in obj.items() if k not in known},
+    )
+
+
+def _item(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[BlockEntry]) -> Item:
+    where = f"items[{index}]"
+    if not isinstance(obj, dict):
+        raise FormatError(f"{where}: must be an object")
+    name = obj.get("tensor")
+    if name not in tensors:
+        raise FormatError(f"{where}: tensor {name!r} is not in the tensor table")
+    entry = tensors[name]
+    region = Region.from_json(obj.get("region"), where)
+    region.check_within(entry.shape, where)
+    op = obj.get("op")
+    if op not in OPS:
+        raise FormatError(f"{where}: unknown op {op!r} (this dcr knows {', '.join(OPS)}); upgrade dcr")
+    count = obj.get("count")
+    if not _is_int(count) or not 0 <= count <= region.size:
+        raise FormatError(f"{where}: count must be an integer within the region size {region.size}")
+    if op == "replace" and count != region.size:
+        raise FormatError(f"{where}: a replace item must cover its whole region")
+    data = Section.from_json(obj.get("data"), where + ".data")
+    positions_length = (obj.get("data") or {}).get("positions_length")
+    if not _is_int(positions_length) or not 0 <= positions_length <= data.length:
+        raise FormatError(f"{where}: data.positions_length must be an integer within data.length")
+    if op == "replace" and positions_length != 0:
+        raise FormatError(f"{where}: a replace item carries no positions")
+    repair = None
+    if obj.get("repair") is not None:
+        repair = Section.from_json(obj["repair"], where + ".repair")
+    if op == "xor" and repair is None:
+        raise FormatError(f"{where}: an xor item must carry a repair section")
+    for section, role in ((data, "data"), (repair, "repair")):
+        if section is None:
+            continue
+        if section.block >= len(blocks):
+            raise FormatError(f"{where}: {role} section names block {section.block}, which does not exist")
+        block = blocks[section.block]
+        if block.role != role:
+            raise FormatError(f"{where}: {role} section points into a {block.role} block")
+        if section.offset + section.length > block.size:
+            raise FormatError(f"{where}: {role} section runs past the end of its block")
+    pre, post = obj.get("pre"), obj.get("post")
+    if not (is_digest(pre) and is_digest(post)):
+        raise FormatError(f"{where}: pre and post must be 64 lowercase hex digests")
+    residual = obj.get("residual")
+    changed = obj.get("changed")
+    return Item(
+        tensor=name,
+        region=region,
+        op=op,
+        count=count,
+        data=data,
+        positions_length=positions_length,
+        pre=pre,
+        post=post,
+        repair=repair,
+        residual=residual if isinstance(residual, str) else None,
+        changed=changed if _is_int(changed) and 0 <= changed <= count else None,
+    )
+
+
+def _check_disjoint(items: list[Item]) -> None:
+    """No canonical element may be touched by two items (so no element is XORed twice)."""
+    by_tensor: dict[str, list[Region]] = {}
+    for it in items:
+        by_tensor.setdefault(it.tensor, []).append(it.region)
+    for name, regions in by_tensor.items():
+        ranges = sorted((r.start, r.stop) for r in regions if not r.is_box)
+        for (_, stop_a), (start_b, _) in itertools.pairwise(ranges):
+            if start_b < stop_a:
+                raise FormatError(f"tensor {name!r}: two items overlap")
+        boxes = [r for r in regions if r.is_box and r.size > 0]
+        if boxes and ranges:
+            raise FormatError(f"tensor {name!r}: items mix flat ranges and boxes")
+        boxes.sort(key=lambda r: r.offsets)
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1 :]:
+                if _boxes_overlap(a, b):
+                    raise FormatError(f"tensor {name!r}: two items overlap")
+
+
+def _boxes_overlap(a: Region, b: Region) -> bool:
+    assert a.offsets and a.sizes and b.offsets and b.sizes
+    return all(
+        ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+    )
+
+
+def _version_ref(obj: Any, where: str) -> VersionRef:
+    if not isinstance(obj, dict) or not isinstance(obj.get("version"), str) or not is_digest(obj.get("fingerprint")):
+        raise FormatError(f"manifest {where} needs a string version and a 64-hex fingerprint")
+    return VersionRef(obj["version"], obj["fingerprint"])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)

@@ -1,0 +1,93 @@
+"""``dcr inspect``: what a delta holds, per tensor and in total."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from .delta.reader import Delta
+
+
+@dataclass
+class TensorRow:
+    tensor: str
+    dtype: str
+    elements: int
+    changed_elements: int
+    ops: list[str]
+    payload_bytes: int
+    full_bytes: int
+    residual: str | None
+
+    @property
+    def change_rate(self) -> float:
+        return self.changed_elements / self.elements if self.elements else 0.0
+
+    @property
+    def ratio(self) -> float | None:
+        return self.full_bytes / self.payload_bytes if self.payload_bytes else None
+
+
+@dataclass
+class DeltaReport:
+    delta: str
+    delta_id: str
+    format_version: str
+    base_version: str
+    target_version: str
+    base_fingerprint: str
+    target_fingerprint: str
+    tensors: list[TensorRow]
+    items: int
+    blocks: int
+    total_elements: int
+    changed_elements: int
+    payload_bytes: int
+    manifest_bytes: int
+    repair_bytes: int
+    full_bytes: int
+
+    def to_json(self) -> dict:
+        obj = asdict(self)
+        obj["change_rate"] = self.changed_elements / self.total_elements if self.total_elements else 0.0
+        obj["ratio"] = self.full_bytes / (self.payload_bytes + self.manifest_bytes)
+        for row, raw in zip(self.tensors, obj["tensors"], strict=True):
+            raw["change_rate"] = row.change_rate
+            raw["ratio"] = row.ratio
+        return obj
+
+
+def inspect(delta: str | os.PathLike[str], *, changed_only: bool = False) -> DeltaReport:
+    """Read a delta's manifest (no blocks are read) and summarize it."""
+    d = Delta.open(delta)
+    m = d.manifest
+    rows: dict[str, TensorRow] = {
+        name: TensorRow(name, t.dtype, t.numel, 0, [], 0, t.nbytes, None) for name, t in m.tensors.items()
+    }
+    for item in m.items:
+        row = rows[item.tensor]
+        row.changed_elements += item.changed_elements
+        row.payload_bytes += item.data.length
+        if item.op not in row.ops:
+            row.ops.append(item.op)
+        if item.residual:
+            row.residual = item.residual
+    tensor_rows = [r for r in rows.values() if r.changed_elements or not changed_only]
+    return DeltaReport(
+        delta=str(delta),
+        delta_id=d.id,
+        format_version=f"1.{m.minor}",
+        base_version=m.base.version,
+        target_version=m.target.version,
+        base_fingerprint=m.base.fingerprint,
+        target_fingerprint=m.target.fingerprint,
+        tensors=tensor_rows,
+        items=len(m.items),
+        blocks=len(m.blocks),
+        total_elements=sum(r.elements for r in rows.values()),
+        changed_elements=sum(r.changed_elements for r in rows.values()),
+        payload_bytes=m.payload_bytes(),
+        manifest_bytes=d.manifest_bytes,
+        repair_bytes=sum(b.size for b in m.blocks if b.role == "repair"),
+        full_bytes=sum(r.full_bytes for r in rows.values()),
+    )

@@ -1,0 +1,1 @@
+"""Readers of checkpoints: each yields canonical tensors or regions of them as integer views."""

@@ -1,0 +1,168 @@
+"""Hugging Face checkpoint directories: one model.safetensors, or shards with an index.
+
+Tensors are exposed as flat unsigned-integer views over a read-only memory
+map, so reading costs page cache, not heap, and nothing is ever converted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FormatError, IncompatibleError
+from ..format.dtypes import dtype as lookup_dtype
+from ..format.dtypes import numel
+from ..format.manifest import TensorEntry
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+
+def safe_child(root: Path, name: str) -> Path:
+    """Resolve a file name from checkpoint metadata, refusing anything outside root."""
+    if not name or os.path.isabs(name) or ".." in Path(name).parts:
+        raise FormatError(f"file name {name!r} would escape {root}")
+    path = (root / name).resolve()
+    if root.resolve() not in path.parents:
+        raise FormatError(f"file name {name!r} would escape {root}")
+    return path
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """Parse a safetensors header. Returns (header, offset of the data section)."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise FormatError(f"{path}: not a safetensors file (too short)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise FormatError(f"{path}: safetensors header of {length} bytes is implausible")
+        raw = f.read(length)
+    if len(raw) != length:
+        raise FormatError(f"{path}: safetensors header is truncated")
+    try:
+        header = json.loads(raw)
+    except json.JSONDecodeError:
+        raise FormatError(f"{path}: safetensors header is not valid JSON") from None
+    return header, 8 + length
+
+
+class SafetensorsCheckpoint:
+    """A Hugging Face checkpoint directory, opened for reading (and, by receivers, in-place writes)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise IncompatibleError(f"{self.root} is not a checkpoint directory")
+        self.tensors: dict[str, TensorLocation] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
+        for file in self._files():
+            self._add_file(file)
+
+    def _files(self) -> list[Path]:
+        index = self.root / INDEX_NAME
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise FormatError(f"{index}: not a valid safetensors index (needs weight_map)") from None
+            return sorted({safe_child(self.root, f) for f in weight_map.values()})
+        files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
+        if not files:
+            raise IncompatibleError(f"{self.root} holds no *.safetensors files")
+        return files
+
+    def _add_file(self, file: Path) -> None:
+        if not file.exists():
+            raise IncompatibleError(f"{file} is listed in the index but missing")
+        header, data_start = read_header(file)
+        size = file.stat().st_size
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if name in self.tensors:
+                raise FormatError(f"tensor {name!r} appears in two files of {self.root}")
+            try:
+                dt = lookup_dtype(meta["dtype"])
+                shape = tuple(int(s) for s in meta["shape"])
+                begin, end = (int(x) for x in meta["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise FormatError(f"{file}: bad header entry for {name!r}") from None
+            nbytes = numel(shape) * dt.itemsize
+            if end - begin != nbytes or data_start + end > size or begin < 0:
+                raise FormatError(f"{file}: data of {name!r} is truncated or inconsistent with its shape")
+            self.tensors[name] = TensorLocation(name, dt.name, shape, file, data_start + begin, nbytes)
+
+    def _map(self, file: Path) -> mmap.mmap:
+        m = self._maps.get(file)
+        if m is None:
+            with open(file, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    raise FormatError(f"{file} is empty")
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[file] = m
+        return m
+
+    def view(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Flat unsigned-integer view of elements [start, stop) of a tensor (no copy)."""
+        loc = self.tensors[name]
+        dt = lookup_dtype(loc.dtype)
+        stop = loc.numel if stop is None else stop
+        if stop <= start:
+            return np.empty(0, dtype=dt.uint)
+        return np.frombuffer(
+            self._map(loc.file), dtype=dt.uint, count=stop - start, offset=loc.start + start * dt.itemsize
+        )
+
+    def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {n: (t.dtype, t.shape) for n, t in self.tensors.items()}
+
+    def tensor_table(self, digests: dict[str, str]) -> dict[str, TensorEntry]:
+        return {n: TensorEntry(t.dtype, t.shape, digests[n]) for n, t in sorted(self.tensors.items())}
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            with contextlib.suppress(BufferError):  # a view is still alive; it closes when collected
+                m.close()
+        self._maps.clear()
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def layout_mismatch(a: dict[str, tuple[str, tuple[int, ...]]], b: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
+    """A one-line description of how two tensor layouts differ, or None."""
+    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    if only_a:
+        return f"tensor {only_a[0]!r} is only in the first checkpoint ({len(only_a)} such)"
+    if only_b:
+        return f"tensor {only_b[0]!r} is only in the second checkpoint ({len(only_b)} such)"
+    for name in sorted(a):
+        if a[name] != b[name]:
+            (da, sa), (db, sb) = a[name], b[name]
+            return f"tensor {name!r} is {da}{list(sa)} in one and {db}{list(sb)} in the other"
+    return None
