@@ -97,13 +97,16 @@ def diff(
         if mismatch:
             raise IncompatibleError(f"checkpoints differ in layout: {mismatch}; dcr deltas need identical tensor sets")
         names = sorted(n.tensors)
-        base_digests: dict[str, str] = {}
-        new_digests: dict[str, str] = {}
+        # In a stream, the base was the previous diff's target: its digests are usually cached.
+        base_digests = b.cached_digests()
+        new_digests = n.cached_digests()
 
         def digest_task(name: str) -> Callable[[], None]:
             def run() -> None:
-                base_digests[name] = digest_bytes(b.view(name))
-                new_digests[name] = digest_bytes(n.view(name))
+                if name not in base_digests:
+                    base_digests[name] = digest_bytes(b.view(name))
+                if name not in new_digests:
+                    new_digests[name] = digest_bytes(n.view(name))
 
             return run
 
@@ -136,6 +139,8 @@ def diff(
             for result in ordered_parallel(tasks(), workers):
                 if result is not None:
                     writer.add(result)
+            b.remember_digests(base_digests)
+            n.remember_digests(new_digests)
             base_table = b.tensor_table(base_digests)
             target_table = n.tensor_table(new_digests)
             base_fp, target_fp = fingerprint(base_table), fingerprint(target_table)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from .common import emit_json, handle_errors, human_bytes
@@ -46,7 +48,7 @@ def command(delta: str, as_json: bool, show_all: bool) -> None:
             f"{r.ratio:.1f}x" if r.ratio else "-",
             r.residual or "",
         )
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: never cut tensor names
     console.print(table)
     total = report.payload_bytes + report.manifest_bytes
     console.print(

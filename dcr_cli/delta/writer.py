@@ -125,6 +125,7 @@ class DeltaWriter:
         target: VersionRef,
         tensors: dict[str, TensorEntry],
         extra: dict[str, Any] | None = None,
+        created: str | None = None,
     ) -> Manifest:
         with self._lock:
             for packer in self._packers.values():
@@ -151,7 +152,7 @@ class DeltaWriter:
                 tensors=tensors,
                 items=items,
                 blocks=self._blocks,
-                created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                created=created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 producer=f"dcr {__version__}",
                 extra=dict(extra or {}),
             )

@@ -1,8 +1,10 @@
 """Block codec (format_spec/delta-v1.md §6): positions, values and the diff kernel.
 
 Positions are region-local element indices, strictly increasing. They are
-stored as u32 gaps (g0 = p0, gi = pi - p(i-1) - 1), the gaps split into four
-byte planes, the planes concatenated and compressed as one zstd frame.
+stored as gaps (g0 = p0, gi = pi - p(i-1) - 1): one byte per gap, min(gap, 255),
+then for each escaped gap (byte 255) the rest, gap - 255, as a u32 split into
+four byte planes; all of it compressed as one zstd frame. Almost every gap of
+a sparse change fits one byte, so the escape costs nothing where it is unused.
 Values are the unsigned integers of the stored width, split into byte planes
 (least significant plane first) and compressed as one zstd frame. Byte planes
 put the rarely-changing high bytes of XOR masks next to each other, which is
@@ -19,6 +21,7 @@ import zstandard
 from ..errors import IntegrityError
 from .digest import digest_bytes
 from .dtypes import DType
+from .kernels import ESCAPE, escaped_gaps, scan_changes
 from .manifest import Op, Region
 
 # None selects dcr's tuned parameters; an int selects that standard zstd level.
@@ -67,8 +70,8 @@ def compress(data: np.ndarray, level: int | None) -> bytes:
     return _compressor(level).compress(np.ascontiguousarray(data).view(np.uint8).data)
 
 
-def decompress_exact(frame: bytes | memoryview, expected: int, what: str) -> np.ndarray:
-    """Decompress one zstd frame whose decoded size the manifest fixes in advance.
+def decompress_bounded(frame: bytes | memoryview, least: int, most: int, what: str) -> np.ndarray:
+    """Decompress one zstd frame whose decoded size the manifest bounds in advance.
 
     The declared content size is checked before any output is allocated, so a
     frame cannot expand beyond what the manifest allows (decompression bombs).
@@ -77,29 +80,32 @@ def decompress_exact(frame: bytes | memoryview, expected: int, what: str) -> np.
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError:
         raise IntegrityError(f"{what}: not a zstd frame") from None
-    if declared != expected:
-        raise IntegrityError(f"{what}: frame declares {declared} bytes, manifest implies {expected}")
+    if not least <= declared <= most:
+        raise IntegrityError(f"{what}: frame declares {declared} bytes, manifest allows {least}..{most}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=expected)
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"{what}: corrupt zstd frame ({exc})") from None
-    if len(out) != expected:
-        raise IntegrityError(f"{what}: decoded {len(out)} bytes, expected {expected}")
+    if len(out) != declared:
+        raise IntegrityError(f"{what}: decoded {len(out)} bytes, frame declared {declared}")
     return np.frombuffer(out, dtype=np.uint8)
 
 
+def decompress_exact(frame: bytes | memoryview, expected: int, what: str) -> np.ndarray:
+    return decompress_bounded(frame, expected, expected, what)
+
+
 def encode_positions(positions: np.ndarray, level: int | None = DEFAULT_LEVEL) -> bytes:
-    positions = positions.astype(np.int64, copy=False)
-    gaps = np.empty(len(positions), dtype="<u4")
-    if len(positions):
-        gaps[0] = positions[0]
-        np.subtract(positions[1:], positions[:-1] + 1, out=gaps[1:], casting="unsafe")
-    return compress(_to_planes(gaps), level)
+    return compress(escaped_gaps(positions), level)
 
 
 def decode_positions(frame: bytes | memoryview, count: int, region_size: int, what: str) -> np.ndarray:
-    raw = decompress_exact(frame, 4 * count, what + " positions")
-    gaps = _from_planes(raw, np.dtype("<u4")).astype(np.int64)
+    raw = decompress_bounded(frame, count, 5 * count, what + " positions")
+    gaps = raw[:count].astype(np.int64)
+    escaped = np.flatnonzero(gaps == ESCAPE)
+    if len(raw) != count + 4 * len(escaped):
+        raise IntegrityError(f"{what} positions: {len(escaped)} escapes need {count + 4 * len(escaped)} bytes")
+    gaps[escaped] += _from_planes(raw[count:], np.dtype("<u4")).astype(np.int64)
     positions = np.cumsum(gaps + 1) - 1
     if count and positions[-1] >= region_size:
         raise IntegrityError(f"{what}: a position lies outside its region of {region_size} elements")
@@ -151,15 +157,12 @@ def diff_region(
     """
     if base.dtype != new.dtype or base.shape != new.shape:
         raise ValueError("base and new must be same-shape views of one dtype")
-    mask = np.bitwise_xor(base, new)
-    positions = np.flatnonzero(mask)
+    positions, masks, changed_new = scan_changes(base, new)
     count = len(positions)
     if count == 0:
         return None
-    changed_new = new[positions]
-    sparse_values = mask[positions] if op == "xor" else changed_new
     positions_frame = encode_positions(positions, level)
-    values_frame = encode_values(sparse_values, level)
+    values_frame = encode_values(masks if op == "xor" else changed_new, level)
     repair = encode_values(changed_new, level) if op == "xor" else None
     sparse = EncodedItem(
         tensor=tensor,
@@ -168,7 +171,7 @@ def diff_region(
         count=count,
         data=positions_frame + values_frame,
         positions_length=len(positions_frame),
-        pre=digest_bytes(base[positions]),
+        pre=digest_bytes(masks ^ changed_new),
         post=digest_bytes(changed_new),
         repair=repair,
         residual=residual,

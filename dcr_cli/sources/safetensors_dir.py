@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError, IncompatibleError
+from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from ..format.manifest import TensorEntry
@@ -134,6 +135,36 @@ class SafetensorsCheckpoint:
         return np.frombuffer(
             self._map(loc.file), dtype=dt.uint, count=stop - start, offset=loc.start + start * dt.itemsize
         )
+
+    def cached_digests(self) -> dict[str, str]:
+        """Tensor digests remembered for these exact files (see digest_cache); may be partial."""
+        from . import digest_cache
+
+        out: dict[str, str] = {}
+        for file in {t.file for t in self.tensors.values()}:
+            cached = digest_cache.load(file)
+            out.update({n: cached[n] for n, t in self.tensors.items() if t.file == file and n in cached})
+        return out
+
+    def remember_digests(self, digests: dict[str, str]) -> None:
+        """Store the digests of every file whose tensors are all in ``digests``."""
+        from . import digest_cache
+
+        by_file: dict[Path, dict[str, str]] = {}
+        for name, loc in self.tensors.items():
+            by_file.setdefault(loc.file, {})[name] = digests.get(name, "")
+        for file, table in by_file.items():
+            if all(table.values()):
+                digest_cache.save(file, table)
+
+    def tensor_digests(self) -> dict[str, str]:
+        """Digests of every tensor's stored bytes, computed where the cache has none."""
+        out = self.cached_digests()
+        for name in self.tensors:
+            if name not in out:
+                out[name] = digest_bytes(self.view(name))
+        self.remember_digests(out)
+        return out
 
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: (t.dtype, t.shape) for n, t in self.tensors.items()}

@@ -1,0 +1,186 @@
+"""Regenerate the test vectors: `python format_spec/vectors/make_vectors.py`.
+
+The vectors are committed; the test suite checks the committed files, so any change to the
+encoder that would change them is visible in review.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from dcr_cli.delta.writer import DeltaWriter
+from dcr_cli.format.codec import diff_region
+from dcr_cli.format.digest import digest_bytes
+from dcr_cli.format.dtypes import dtype as lookup_dtype
+from dcr_cli.format.manifest import MANIFEST_NAME, Region, TensorEntry, VersionRef, fingerprint
+
+HERE = Path(__file__).parent
+CREATED = "2026-11-30T00:00:00Z"
+
+
+def _tensors() -> tuple[dict, dict]:
+    """(dtype, shape, base bits, target bits) for each tensor of the 'basic' vector."""
+    rng = np.random.default_rng(20261130)
+    bf = rng.integers(0x3C00, 0x3D00, size=64, dtype=np.uint16)
+    bf_new = bf.copy()
+    bf_new[[1, 2, 30, 63]] ^= np.array([0x0001, 0x0003, 0x0007, 0x8000], dtype=np.uint16)  # incl. sign flip
+    f32 = np.array([0x7FC00001], dtype="<u4")  # a NaN with payload...
+    f32_new = np.array([0x7FC00002], dtype="<u4")  # ...becomes another NaN payload
+    i64 = np.arange(10, dtype="<u8")
+    i64_new = i64.copy()
+    i64_new[[0, 9]] = np.array([2**63, 2**64 - 1], dtype="<u8")
+    box = np.arange(24, dtype=np.uint8)
+    box_new = box.copy().reshape(2, 3, 4)
+    box_new[1, 1:3, 2:4] ^= 0xFF
+    zeros = np.array([0x8000, 0x0000], dtype="<u2")  # -0.0, +0.0 in F16
+    zeros_new = np.array([0x0000, 0x8000], dtype="<u2")
+    dense = np.array([0, 1, 0, 1], dtype=np.uint8)
+    dense_new = np.array([1, 1, 0, 0], dtype=np.uint8)
+    base = {
+        "bf16.weight": ("BF16", [8, 8], bf),
+        "f32.nan": ("F32", [], f32),
+        "i64.ids": ("I64", [10], i64),
+        "u8.box": ("U8", [2, 3, 4], box),
+        "f16.zeros": ("F16", [2], zeros),
+        "bool.mask": ("BOOL", [4], dense),
+        "empty": ("BF16", [0, 4], np.zeros(0, dtype=np.uint16)),
+    }
+    target = dict(base)
+    target.update(
+        {
+            "bf16.weight": ("BF16", [8, 8], bf_new),
+            "f32.nan": ("F32", [], f32_new),
+            "i64.ids": ("I64", [10], i64_new),
+            "u8.box": ("U8", [2, 3, 4], box_new.reshape(-1)),
+            "f16.zeros": ("F16", [2], zeros_new),
+            "bool.mask": ("BOOL", [4], dense_new),
+        }
+    )
+    return base, target
+
+
+def _table(tensors: dict) -> dict[str, TensorEntry]:
+    return {n: TensorEntry(d, tuple(s), digest_bytes(bits)) for n, (d, s, bits) in sorted(tensors.items())}
+
+
+def _dump(tensors: dict) -> dict:
+    return {
+        n: {"dtype": d, "shape": s, "hex": bits.astype(lookup_dtype(d).uint).tobytes().hex()}
+        for n, (d, s, bits) in sorted(tensors.items())
+    }
+
+
+def make_basic() -> Path:
+    out = HERE / "basic"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    base, target = _tensors()
+    items = []
+    # Flat ranges: two items over one tensor, xor.
+    for start, stop in ((0, 32), (32, 64)):
+        items.append(
+            diff_region(
+                "bf16.weight",
+                Region.range(start, stop),
+                base["bf16.weight"][2][start:stop],
+                target["bf16.weight"][2][start:stop],
+            )
+        )
+    items.append(diff_region("f32.nan", Region.box((), ()), base["f32.nan"][2], target["f32.nan"][2]))
+    items.append(diff_region("i64.ids", Region.range(0, 10), base["i64.ids"][2], target["i64.ids"][2], op="overwrite"))
+    # A box region, as a training shard's producer would emit it: the half tensor [1:2, 0:3, 0:4].
+    b3, t3 = base["u8.box"][2].reshape(2, 3, 4), target["u8.box"][2].reshape(2, 3, 4)
+    items.append(diff_region("u8.box", Region.box((1, 0, 0), (1, 3, 4)), b3[1:2].reshape(-1), t3[1:2].reshape(-1)))
+    items.append(diff_region("f16.zeros", Region.range(0, 2), base["f16.zeros"][2], target["f16.zeros"][2]))
+    items.append(diff_region("bool.mask", Region.range(0, 4), base["bool.mask"][2], target["bool.mask"][2]))
+    writer = DeltaWriter(out / "delta")
+    for item in items:
+        assert item is not None
+        writer.add(item)
+    manifest = writer.finish(
+        VersionRef("v0", fingerprint(_table(base))),
+        VersionRef("v1", fingerprint(_table(target))),
+        _table(target),
+        created=CREATED,
+    )
+    expected = []
+    for item in manifest.items:
+        d, shape, new_bits = target[item.tensor]
+        _, _, old_bits = base[item.tensor]
+        flat = item.region.to_canonical(np.arange(item.region.size), tuple(shape))
+        if item.op != "replace":
+            flat = flat[new_bits[flat] != old_bits[flat]]
+        values = (old_bits[flat] ^ new_bits[flat]) if item.op == "xor" else new_bits[flat]
+        expected.append(
+            {
+                "tensor": item.tensor,
+                "op": item.op,
+                "indices": flat.tolist(),
+                "values_hex": values.astype(lookup_dtype(d).uint).tobytes().hex(),
+            }
+        )
+    (out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    (out / "base.json").write_text(json.dumps(_dump(base), indent=1) + "\n")
+    (out / "target.json").write_text(json.dumps(_dump(target), indent=1) + "\n")
+    return out
+
+
+def make_bad(basic: Path) -> None:
+    bad = HERE / "bad"
+    shutil.rmtree(bad, ignore_errors=True)
+    manifest = json.loads((basic / "delta" / MANIFEST_NAME).read_text())
+
+    def variant(name: str, reason: str, edit_manifest=None, edit_blocks=None) -> None:
+        d = bad / name
+        shutil.copytree(basic / "delta", d / "delta")
+        m = json.loads(json.dumps(manifest))
+        if edit_manifest:
+            edit_manifest(m)
+        (d / "delta" / MANIFEST_NAME).write_text(json.dumps(m))
+        if edit_blocks:
+            edit_blocks(d / "delta")
+        (d / "reason.txt").write_text(reason + "\n")
+
+    def first_block(delta: Path) -> Path:
+        return delta / "blocks" / manifest["blocks"][0]["id"]
+
+    variant(
+        "unknown-major",
+        "format_version major 2 is unknown to a 1.x reader",
+        lambda m: m.__setitem__("format_version", [2, 0]),
+    )
+    variant("overlapping-items", "two items cover the same elements", lambda m: m["items"].append(m["items"][0]))
+    variant(
+        "section-past-block",
+        "a section runs past the end of its block",
+        lambda m: m["items"][0]["data"].__setitem__("length", 10**6),
+    )
+    variant(
+        "region-outside-tensor",
+        "a region lies outside its tensor",
+        lambda m: m["items"][0]["region"].__setitem__("stop", 65),
+    )
+    variant("unknown-op", "op 'add' is not defined in 1.x", lambda m: m["items"][0].__setitem__("op", "add"))
+    variant("xor-without-repair", "an xor item lacks its repair section", lambda m: m["items"][0].pop("repair"))
+
+    def flip(delta: Path) -> None:
+        p = first_block(delta)
+        raw = bytearray(p.read_bytes())
+        raw[5] ^= 0x10
+        p.write_bytes(bytes(raw))
+
+    def truncate(delta: Path) -> None:
+        p = first_block(delta)
+        p.write_bytes(p.read_bytes()[:-3])
+
+    variant("tampered-block", "a block byte was changed: section digests no longer match", edit_blocks=flip)
+    variant("truncated-block", "a block lost its last bytes", edit_blocks=truncate)
+
+
+if __name__ == "__main__":
+    make_bad(make_basic())
+    print("vectors written to", HERE)

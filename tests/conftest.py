@@ -1,0 +1,32 @@
+"""Shared fixtures. Checkpoints are built locally with torch + safetensors; nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_dcr(*args: str, check: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real ``dcr`` command line in a subprocess (as users and cron do)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcr_cli", *args], capture_output=True, text=True, env=full_env, timeout=600
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dcr {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def dcr():
+    return run_dcr
+
+
+# Tests never read or write the user's digest cache.
+os.environ.setdefault("DCR_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"dcr-test-cache-{os.getpid()}"))

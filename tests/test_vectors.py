@@ -1,0 +1,73 @@
+"""The committed test vectors of format_spec/vectors decode as the spec says (format_spec/delta-v1.md §10)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import FormatError
+from dcr_cli.format.digest import digest_bytes
+from dcr_cli.format.dtypes import dtype as lookup_dtype
+from dcr_cli.format.manifest import TensorEntry, fingerprint
+
+VECTORS = Path(__file__).resolve().parents[1] / "format_spec" / "vectors"
+
+
+def _load(path: Path) -> dict[str, tuple[str, list[int], np.ndarray]]:
+    out = {}
+    for name, t in json.loads(path.read_text()).items():
+        out[name] = (
+            t["dtype"],
+            t["shape"],
+            np.frombuffer(bytes.fromhex(t["hex"]), dtype=lookup_dtype(t["dtype"]).uint),
+        )
+    return out
+
+
+def test_basic_vector_decodes_and_applies():
+    root = VECTORS / "basic"
+    delta = Delta.open(root / "delta")
+    delta.verify_blocks(roles=("data", "repair"))
+    expected = json.loads((root / "expected.json").read_text())
+    base, target = _load(root / "base.json"), _load(root / "target.json")
+    assert len(expected) == len(delta.manifest.items)
+    state = {name: bits.copy() for name, (_, _, bits) in base.items()}
+    for item, want in zip(delta.manifest.items, expected, strict=True):
+        entry = delta.manifest.tensors[item.tensor]
+        decoded = delta.decode(item)
+        local = np.arange(item.region.size) if decoded.positions is None else decoded.positions
+        flat = item.region.to_canonical(local, entry.shape)
+        assert (item.tensor, item.op) == (want["tensor"], want["op"])
+        assert flat.tolist() == want["indices"]
+        assert decoded.values.tobytes().hex() == want["values_hex"]
+        assert digest_bytes(state[item.tensor][flat]) == item.pre
+        state[item.tensor][flat] = (state[item.tensor][flat] ^ decoded.values) if item.op == "xor" else decoded.values
+        assert digest_bytes(state[item.tensor][flat]) == item.post
+        if item.op == "xor":
+            assert delta.repair_values(item).tobytes() == state[item.tensor][flat].tobytes()
+    for name, (dt, shape, bits) in target.items():
+        assert state[name].tobytes() == bits.tobytes(), name
+        assert delta.manifest.tensors[name] == TensorEntry(dt, tuple(shape), digest_bytes(bits))
+    base_table = {n: TensorEntry(d, tuple(s), digest_bytes(b)) for n, (d, s, b) in base.items()}
+    assert fingerprint(base_table) == delta.manifest.base.fingerprint
+    assert fingerprint(delta.manifest.tensors) == delta.manifest.target.fingerprint
+
+
+def test_empty_digest_is_blake3_of_nothing():
+    assert digest_bytes(b"").startswith("af1349b9")
+
+
+@pytest.mark.parametrize("case", sorted(p.name for p in (VECTORS / "bad").iterdir()))
+def test_bad_vectors_are_rejected(case: str):
+    path = VECTORS / "bad" / case / "delta"
+    with pytest.raises(FormatError):
+        delta = Delta.open(path)
+        delta.verify_blocks(roles=("data", "repair"))
+        for item in delta.manifest.items:
+            delta.decode(item)
+            if item.repair is not None:
+                delta.repair_values(item)
