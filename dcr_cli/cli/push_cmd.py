@@ -18,6 +18,11 @@ from .store_options import parse_rate, parse_storage_options, storage_options
     is_flag=True,
     help="Publish on a store that cannot create objects atomically (safe only with a single producer).",
 )
+@click.option(
+    "--verify-remote",
+    is_flag=True,
+    help="Also download the blocks already on the store and replace any that are corrupt.",
+)
 @storage_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on a terminal.")
@@ -28,6 +33,7 @@ def command(
     workers: int,
     limit_rate: str | None,
     allow_unsafe_publish: bool,
+    verify_remote: bool,
     storage_option: tuple[str, ...],
     as_json: bool,
     progress: bool,
@@ -50,11 +56,13 @@ def command(
             progress=advance,
             limit_rate=parse_rate(limit_rate),
             allow_unsafe_publish=allow_unsafe_publish,
+            verify_remote=verify_remote,
         )
     if as_json:
         emit_json(result.to_json())
     elif result.already_published:
-        click.echo(f"{url}: version {result.version} was already published with this delta; nothing to do")
+        restored = f"; restored {result.uploaded_blocks} lost blocks" if result.uploaded_blocks else ""
+        click.echo(f"{url}: version {result.version} was already published with this delta{restored}")
     else:
         click.echo(
             f"{url}: published {result.version} (base {result.base}): uploaded {result.uploaded_blocks} blocks "

@@ -116,12 +116,16 @@ def push(
     progress: Progress | None = None,
     limit_rate: float | None = None,
     allow_unsafe_publish: bool = False,
+    verify_remote: bool = False,
 ) -> PushResult:
     """Publish the delta at ``delta`` as version ``<its target version>`` on the store at ``url``.
 
-    Only blocks the store lacks are uploaded. The delta's base must be the
-    store's committed head (the genesis for a new store): a delta computed
-    against anything else is refused.
+    Only blocks the store lacks are uploaded (``verify_remote`` also downloads
+    the blocks already there and replaces any whose digest is wrong). The
+    delta's base must be the store's committed head (the genesis for a new
+    store): a delta computed against anything else is refused. Pushing a
+    version that is already published with this very delta restores any of
+    its blocks the store lost, and is otherwise a no-op.
     """
     source = Delta.open(delta)
     manifest = source.manifest
@@ -132,19 +136,24 @@ def push(
     unique = list({b.id: b for b in manifest.blocks}.values())
 
     existing = store.version(version)
-    if existing is not None:
-        return _already_published(store, existing, source, unique)
-
-    head = store.head()
-    if manifest.base.fingerprint != head.fingerprint:
+    if existing is not None and existing.manifest != source.id:
+        raise ConflictError(
+            f"{url}: version {version!r} is already published with a different delta (manifest "
+            f"{existing.manifest[:16]}…); label this delta differently (dcr diff --target-version)"
+        )
+    base = existing.base if existing is not None else store.head()
+    if existing is None and manifest.base.fingerprint != base.fingerprint:
         raise IncompatibleError(
             f"the delta's base ({manifest.base.version}) is not the committed baseline of {url} "
-            f"({head.version}); re-run dcr diff against {head.version} (dcr status {url} --json shows it)"
+            f"({base.version}); re-run dcr diff against {base.version} (dcr status {url} --json shows it)"
         )
 
     present = {e.name: e.size for e in store.list(BLOCKS)}
     missing = [b for b in unique if present.get(b.id) != b.size]
-    present_blocks = [b for b in unique if present.get(b.id) == b.size]
+    if verify_remote:
+        missing += _corrupt_on_store(store, [b for b in unique if present.get(b.id) == b.size], workers)
+    missing_ids = {b.id for b in missing}
+    kept = [b for b in unique if b.id not in missing_ids]
     limiter = RateLimit(limit_rate) if limit_rate else None
 
     def upload(block: BlockEntry) -> Callable[[], None]:
@@ -159,64 +168,59 @@ def push(
         return run
 
     if progress is not None:
-        progress(sum(b.size for b in present_blocks))
+        progress(sum(b.size for b in kept))
     parallel((upload(b) for b in missing), workers)
 
     raw = source.fs.cat_file(f"{source.root}/{MANIFEST_NAME}")
     if digest_bytes(raw) != source.id:
         raise IntegrityError(f"{delta}: manifest changed while it was being pushed")
-    store.put(f"{MANIFESTS}/{source.id}.json", raw)
+    if existing is None or not store.exists(f"{MANIFESTS}/{source.id}.json"):
+        store.put(f"{MANIFESTS}/{source.id}.json", raw)
 
-    # Everything the record will promise must be there now (a concurrent dcr gc could have removed a block).
-    present = {e.name: e.size for e in store.list(BLOCKS)}
-    lost = [b.id for b in unique if present.get(b.id) != b.size]
-    if lost:
-        raise ConflictError(
-            f"{url}: block {lost[0][:16]}… vanished during the push (a concurrent dcr gc?); re-run dcr push"
-        )
-
-    record = version_record(manifest, source.id, len(raw), head)
-    try:
-        store.create(f"{VERSIONS}/{version}.json", dumps(record.to_json()))
-    except FileExistsError:
-        winner = store.require_version(version)
-        if winner.manifest != source.id:
+    if existing is None:
+        # Everything the record promises must be there now (a concurrent dcr gc could have removed a block).
+        present = {e.name: e.size for e in store.list(BLOCKS)}
+        lost = [b.id for b in unique if present.get(b.id) != b.size]
+        if lost:
             raise ConflictError(
-                f"{url}: version {version!r} was just published by another producer (manifest "
-                f"{winner.manifest[:16]}…); this push lost the race and published nothing"
-            ) from None
+                f"{url}: block {lost[0][:16]}… vanished during the push (a concurrent dcr gc?); re-run dcr push"
+            )
+        record = version_record(manifest, source.id, len(raw), base)
+        try:
+            store.create(f"{VERSIONS}/{version}.json", dumps(record.to_json()))
+        except FileExistsError:
+            winner = store.require_version(version)
+            if winner.manifest != source.id:
+                raise ConflictError(
+                    f"{url}: version {version!r} was just published by another producer (manifest "
+                    f"{winner.manifest[:16]}…); this push lost the race and published nothing"
+                ) from None
     return PushResult(
         store=url,
         version=version,
-        base=head.version,
+        base=base.version,
         manifest=source.id,
         blocks=len(unique),
         uploaded_blocks=len(missing),
         uploaded_bytes=sum(b.size for b in missing),
-        present_blocks=len(present_blocks),
-        present_bytes=sum(b.size for b in present_blocks),
-        already_published=False,
+        present_blocks=len(kept),
+        present_bytes=sum(b.size for b in kept),
+        already_published=existing is not None,
     )
 
 
-def _already_published(store: Store, record: VersionRecord, source: Delta, unique: list[BlockEntry]) -> PushResult:
-    if record.manifest != source.id:
-        raise ConflictError(
-            f"{store.url}: version {record.version!r} is already published with a different delta (manifest "
-            f"{record.manifest[:16]}…); label this delta differently (dcr diff --target-version)"
-        )
-    return PushResult(
-        store=store.url,
-        version=record.version,
-        base=record.base.version,
-        manifest=record.manifest,
-        blocks=len(unique),
-        uploaded_blocks=0,
-        uploaded_bytes=0,
-        present_blocks=len(unique),
-        present_bytes=sum(b.size for b in unique),
-        already_published=True,
-    )
+def _corrupt_on_store(store: Store, blocks: list[BlockEntry], workers: int) -> list[BlockEntry]:
+    corrupt: list[BlockEntry] = []
+
+    def verify(block: BlockEntry) -> Callable[[], None]:
+        def run() -> None:
+            if digest_bytes(store.read(f"{BLOCKS}/{block.id}")) != block.id:
+                corrupt.append(block)
+
+        return run
+
+    parallel((verify(b) for b in blocks), workers)
+    return corrupt
 
 
 def _read_local_block(source: Delta, block: BlockEntry) -> bytes:
@@ -410,8 +414,8 @@ def _pull_record(
                 if len(data) != block.size or digest_bytes(data) != block.id:
                     raise IntegrityError(
                         f"{store.url}: block {block.id[:16]}… of version {record.version!r} is corrupt on the "
-                        "store (digest mismatch); nothing was written to the output — repair the store "
-                        "(re-push the delta) and pull again"
+                        "store (digest mismatch); nothing was written to the output — repair it with "
+                        "dcr push DELTA URL --verify-remote, then pull again"
                     )
                 write_atomic(blocks_dir / block.id, data)
                 if progress is not None:
@@ -424,7 +428,7 @@ def _pull_record(
         except FileNotFoundError as exc:
             raise IntegrityError(
                 f"{store.url}: a block of version {record.version!r} is missing from the store ({exc}); "
-                "re-push the delta, then pull again"
+                "restore it with dcr push DELTA URL, then pull again"
             ) from None
         for stray in blocks_dir.iterdir():
             if stray.name not in {b.id for b in wanted}:
