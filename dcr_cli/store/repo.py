@@ -288,7 +288,12 @@ class Store:
         return "/".join((self.root, *parts))
 
     def call(self, fn: Callable[[], T], what: str) -> T:
-        return retrying(fn, f"{self.url}: {what}")
+        try:
+            return retrying(fn, f"{self.url}: {what}")
+        except (DcrError, OSError):
+            raise
+        except Exception as exc:  # client library errors (credentials, parameters...): one line, no traceback
+            raise DcrError(f"{self.url}: {what} failed: {describe(exc)}") from exc
 
     def read(self, rel: str) -> bytes:
         return self.call(lambda: self.fs.cat_file(self.path(rel)), f"read {rel}")
