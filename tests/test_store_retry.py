@@ -7,6 +7,7 @@ turned off so that what is measured is dcr's.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import struct
@@ -66,10 +67,8 @@ class FlakyProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self.server.close()
