@@ -260,8 +260,7 @@ def status(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[s
     head = store.head()
     pending = [
         {"version": r.version, "fingerprint": r.target.fingerprint, "created": r.created, "acked": acks(store, r)}
-        for r in sorted(store.versions().values(), key=lambda r: (r.created, r.version))
-        if r.base.version == head.version
+        for r in store.children(head.version)
     ]
     hint = None
     try:

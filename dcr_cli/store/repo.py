@@ -8,6 +8,7 @@ Layout under the store root::
     versions/<version>.json        publication record of one version (create-only)
     acks/<version>/<receiver>.json a receiver's acknowledgement that it holds the version
     commits/<base version>.json    the joint commit of the version built on <base version> (create-only)
+    children/<base>/<version>      index: versions published on <base> (written just before their record)
     latest.json                    hint: the newest committed version (may lag; never trusted alone)
 
 Every object is written so that a reader sees all of it or nothing: content
@@ -47,6 +48,7 @@ MANIFESTS = "manifests"
 VERSIONS = "versions"
 ACKS = "acks"
 COMMITS = "commits"
+CHILDREN = "children"
 LATEST = "latest.json"
 TMP_PREFIX = ".tmp-"  # local stores: objects being written; never a valid name of anything else
 
@@ -270,16 +272,21 @@ class Store:
             return "link"  # write a temporary file, then link(2) it: fails if the name exists
         if self.is_memory:
             return "process-lock"
-        if type(self.fs).__module__.split(".")[0] == "s3fs":
+        package = type(self.fs).__module__.split(".")[0]
+        if package == "s3fs":
             return "if-none-match"  # S3 conditional PUT, through s3fs pipe_file(mode="create")
+        if package == "gcsfs":
+            return "if-generation-match"  # GCS ifGenerationMatch=0, through gcsfs pipe_file(mode="create")
+        if package == "adlfs":
+            return "azure-if-none-match"  # Azure upload_blob(overwrite=False), through adlfs pipe_file
         return None
 
     def require_atomic_publish(self) -> None:
         if self.publish_method is None and not self.allow_unsafe_publish:
             raise DcrError(
                 f"{self.url}: this store ({type(self.fs).__name__}) cannot create an object atomically, so two "
-                "producers could both believe they published the same version; use an s3://, file:// or local "
-                "store, or pass --allow-unsafe-publish if only one producer ever writes here"
+                "producers could both believe they published the same version; use a local, file://, s3://, "
+                "gs:// or az:// store, or pass --allow-unsafe-publish if only one producer ever writes here"
             )
 
     # -- paths and raw operations ----------------------------------------------------------------------------------
@@ -386,8 +393,18 @@ class Store:
                     raise FileExistsError(path)
                 self.fs.makedirs(os.path.dirname(path) or "/", exist_ok=True)
                 self.fs.pipe_file(path, data)
-        elif method == "if-none-match":
-            self.fs.pipe_file(path, data, mode="create")
+        elif method in ("if-none-match", "if-generation-match", "azure-if-none-match"):
+            try:
+                if method == "azure-if-none-match":
+                    self.fs.pipe_file(path, data, overwrite=False)
+                else:
+                    self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                raise
+            except Exception as exc:
+                if _lost_conditional_create(exc):
+                    raise FileExistsError(path) from exc
+                raise
         else:  # --allow-unsafe-publish: check, then write (a racing writer may slip in between)
             if self.fs.exists(path):
                 raise FileExistsError(path)
@@ -461,16 +478,21 @@ class Store:
                     out[name] = record
         return out
 
-    def commit_on(self, base_version: str) -> CommitRecord | None:
-        rel = f"{COMMITS}/{base_version}.json"
-        obj = self.read_record(rel, CommitRecord.KIND)
-        return None if obj is None else CommitRecord.from_json(obj, f"{self.url}/{rel}")
+    def children(self, base_version: str) -> list[VersionRecord]:
+        """Published versions built on ``base_version``, oldest first (found through the children index)."""
+        out = []
+        for entry in self.list(f"{CHILDREN}/{base_version}"):
+            if _LABEL.fullmatch(entry.name):
+                record = self.version(entry.name)
+                if record is not None and record.base.version == base_version:
+                    out.append(record)
+        return sorted(out, key=lambda r: (r.created, r.version))
 
-    def chain(self) -> list[CommitRecord]:
-        """Committed versions in order, from the genesis baseline to the head."""
+    def commits_after(self, version: str) -> list[CommitRecord]:
+        """The committed versions that follow ``version``, in order, up to the head."""
         out: list[CommitRecord] = []
-        current = self.genesis().version
-        seen = {current}
+        seen = {version}
+        current = version
         while (record := self.commit_on(current)) is not None:
             if record.version in seen:
                 raise FormatError(f"{self.url}: the commit chain loops at {record.version!r}; the store is damaged")
@@ -478,6 +500,25 @@ class Store:
             out.append(record)
             current = record.version
         return out
+
+    def is_committed(self, version: str) -> bool:
+        """Whether ``version`` is the genesis or a committed version."""
+        if version == self.genesis().version:
+            return True
+        record = self.version(version)
+        if record is None:
+            return False
+        commit = self.commit_on(record.base.version)
+        return commit is not None and commit.version == version
+
+    def commit_on(self, base_version: str) -> CommitRecord | None:
+        rel = f"{COMMITS}/{base_version}.json"
+        obj = self.read_record(rel, CommitRecord.KIND)
+        return None if obj is None else CommitRecord.from_json(obj, f"{self.url}/{rel}")
+
+    def chain(self) -> list[CommitRecord]:
+        """Committed versions in order, from the genesis baseline to the head."""
+        return self.commits_after(self.genesis().version)
 
     def head(self) -> Ref:
         """The newest committed state: the only base a producer may diff against."""
@@ -519,6 +560,13 @@ class Store:
 
             raise IntegrityError(f"{self.url}/{rel}: manifest of version {record.version!r} is corrupt")
         return raw
+
+
+def _lost_conditional_create(exc: BaseException) -> bool:
+    """Whether a backend error means "the name exists" (HTTP 412/409 on a conditional create)."""
+    if type(exc).__name__ in ("ResourceExistsError", "PreconditionFailed"):
+        return True
+    return any(getattr(exc, attr, None) in (409, 412) for attr in ("code", "status", "status_code"))
 
 
 def _mtime(entry: dict[str, Any]) -> float | None:

@@ -28,7 +28,7 @@ from ..delta.writer import fsync_dir, write_atomic
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
 from ..format.digest import digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
-from .repo import BLOCKS, MANIFESTS, VERSIONS, Ref, Store, VersionRecord, check_label, dumps, utc_now
+from .repo import BLOCKS, CHILDREN, MANIFESTS, VERSIONS, Ref, Store, VersionRecord, check_label, dumps, utc_now
 
 Progress = Callable[[int], None]  # called with bytes transferred
 DEFAULT_WORKERS = 8
@@ -186,6 +186,7 @@ def push(
                 f"{url}: block {lost[0][:16]}… vanished during the push (a concurrent dcr gc?); re-run dcr push"
             )
         record = version_record(manifest, source.id, len(raw), base)
+        store.put(f"{CHILDREN}/{base.version}/{version}", b"")  # index entry; the record below decides
         try:
             store.create(f"{VERSIONS}/{version}.json", dumps(record.to_json()))
         except FileExistsError:
@@ -239,10 +240,7 @@ def _read_local_block(source: Delta, block: BlockEntry) -> bytes:
 def tip(store: Store) -> VersionRecord:
     """What a receiver should hold next: the one pending version on the committed head, else the head itself."""
     head = store.head()
-    pending = sorted(
-        (r for r in store.versions().values() if r.base.version == head.version),
-        key=lambda r: (r.created, r.version),
-    )
+    pending = store.children(head.version)
     if len(pending) > 1:
         raise ConflictError(
             f"{store.url}: several versions wait on {head.version}: {', '.join(r.version for r in pending)}; "
@@ -262,22 +260,24 @@ def resolve(store: Store, version: str | None) -> VersionRecord:
 def chain_between(store: Store, since: str, until: str | None) -> list[VersionRecord]:
     """The versions a receiver holding ``since`` applies, in order, to reach ``until`` (default: the tip)."""
     check_label(since, "--since version")
-    committed = [store.genesis().version] + [c.version for c in store.chain()]
-    if since not in committed:
+    if not store.is_committed(since):
         raise DcrError(
             f"{store.url}: {since!r} is not a committed version; a receiver can only catch up from a committed "
             "state (see dcr log)"
         )
+    names = [c.version for c in store.commits_after(since)]
+    head = names[-1] if names else since
     target = resolve(store, until)
-    if target.version in committed:
-        end = committed.index(target.version)
-        names = committed[committed.index(since) + 1 : end + 1]
-        if committed.index(since) > end:
-            raise DcrError(f"{store.url}: {target.version!r} is older than {since!r}")
-    elif target.base.version == committed[-1]:
-        names = [*committed[committed.index(since) + 1 :], target.version]
+    if target.version == since:
+        names = []
+    elif target.version in names:
+        names = names[: names.index(target.version) + 1]
+    elif target.base.version == head:
+        names.append(target.version)
     else:
-        raise DcrError(f"{store.url}: {target.version!r} does not follow the committed chain; it is stale")
+        raise DcrError(
+            f"{store.url}: {target.version!r} cannot be reached from {since!r} (it is older, or stale: see dcr log)"
+        )
     return [store.require_version(name) for name in names]
 
 
@@ -383,7 +383,10 @@ def _pull_record(
             present = [b for b in wanted if _local_block_ok(out / BLOCKS_DIR / b.id, b)]
             if len(present) == len(wanted):
                 return result([], present, True)
-        raise ConflictError(f"{out} already exists and is not version {record.version!r}; choose another -o")
+        raise ConflictError(
+            f"{out} already exists and is not an intact copy of version {record.version!r}; "
+            "choose another -o or remove it"
+        )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial"
