@@ -173,8 +173,8 @@ def make_deltas(tmp: Path, steps: int, *, seed: int = 0, size: int = 4096) -> tu
     return ckpts, deltas
 
 
-def big_delta(tmp: Path, name: str = "big", *, tensors: int = 32, elements: int = 4096) -> Path:
-    """A delta v0 -> v1 with one data and one repair block per tensor (all elements change), ~1 MiB in all."""
+def big_delta(tmp: Path, name: str = "big", *, tensors: int = 16, elements: int = 4096) -> Path:
+    """A delta v0 -> v1 with one data and one repair block per tensor (all elements change), ~0.5 MiB in all."""
     from dcr_cli.delta.writer import DeltaWriter
     from dcr_cli.diff import diff
 

@@ -62,8 +62,11 @@ def test_round_trip(store_url: tuple[str, dict], deltas: tuple[list[Path], list[
     for name in data_blocks:
         assert (tmp_path / "p1" / name).read_bytes() == (d1 / name).read_bytes()
 
-    # The store can also be read in place, every section checked against its digest.
+    # The store can also be read in place, every section checked against its digest; a plain delta
+    # directory opens through the same call (what dcr apply uses for "DELTA or store URL").
+    assert open_delta(str(d1)).id == source.id
     remote = open_delta(url, "v1", storage_options=opts)
+    assert remote.id == source.id
     for item in remote.manifest.items:
         assert remote.decode(item).values.tobytes() == source.decode(item).values.tobytes()
 
