@@ -8,6 +8,8 @@ head of that chain is the only base a producer may diff against.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -263,12 +265,8 @@ def status(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[s
         for r in store.children(head.version)
     ]
     hint = None
-    try:
-        import json
-
+    with contextlib.suppress(FileNotFoundError, ValueError, AttributeError):
         hint = json.loads(store.read(LATEST)).get("version")
-    except (FileNotFoundError, ValueError, AttributeError):
-        pass
     return {
         "store": url,
         "genesis": genesis.to_json(),
