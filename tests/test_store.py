@@ -281,3 +281,74 @@ def test_labels_are_validated(tmp_path: Path, deltas: tuple[list[Path], list[Pat
             acknowledge(url, "v1", bad)
     with pytest.raises(DcrError, match="not a valid label"):
         pull(url, tmp_path / "o", version="../../etc")
+
+
+def test_racing_pushes_meet_at_the_create_only_record(s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path) -> None:
+    """Both pushers pass every earlier check; they meet at the record's create-only write, and one loses."""
+    from safetensors.numpy import load_file
+    from store_fixtures import step, write_checkpoint
+
+    from dcr_cli.diff import diff
+
+    ckpts, (d1,) = make_deltas(tmp_path, 1)
+    rival = write_checkpoint(tmp_path / "rival", step(load_file(str(ckpts[0] / "model.safetensors")), 5))
+    diff(ckpts[0], rival, tmp_path / "rival-d1", base_version="v0", target_version="v1", workers=1)
+    candidates = [d1, tmp_path / "rival-d1"]
+    barrier = threading.Barrier(2, timeout=60)
+    outcomes: dict[int, object] = {}
+
+    def pusher(i: int) -> None:
+        delta = Delta.open(candidates[i])
+        total = sum(b.size for b in {b.id: b for b in delta.manifest.blocks}.values())
+        done = [0]
+        lock = threading.Lock()
+
+        def progress(n: int) -> None:  # the last upload waits for the rival's: both then publish at once
+            with lock:
+                done[0] += n
+                last = done[0] == total
+            if last:
+                barrier.wait()
+
+        try:
+            outcomes[i] = push(candidates[i], s3_url, storage_options=s3_endpoint.storage_options, progress=progress)
+        except ConflictError as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=pusher, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [o for o in outcomes.values() if isinstance(o, ConflictError)]
+    assert len(errors) == 1 and "lost the race" in str(errors[0])
+    winner = next(i for i, o in outcomes.items() if not isinstance(o, ConflictError))
+    assert (
+        Store(s3_url, s3_endpoint.storage_options).require_version("v1").manifest == Delta.open(candidates[winner]).id
+    )
+
+
+def test_hint_and_records_are_not_trusted_blindly(deltas: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
+    from dcr_cli.errors import FormatError
+
+    _, ds = deltas
+    url = str(tmp_path / "store")
+    _publish_chain(url, ds[:2])
+    store = Store(url)
+    store.put("latest.json", b'{"version": "v1", "fingerprint": "0"}')  # stale hint
+    state = status(url)
+    assert state["head"]["version"] == "v2" and state["latest_hint_stale"]
+    store.put("latest.json", b"garbage")
+    assert status(url)["head"]["version"] == "v2"
+
+    record = store.require_version("v2")
+    store.put(f"manifests/{record.manifest}.json", b"{}")  # tampered manifest
+    with pytest.raises(IntegrityError, match="corrupt"):
+        pull(url, tmp_path / "out", version="v2")
+    assert not (tmp_path / "out").exists()
+
+    marker = store.read("dcr-store.json").replace(b'"format_version": [\n  1,', b'"format_version": [\n  2,')
+    assert marker != store.read("dcr-store.json")
+    store.put("dcr-store.json", marker)
+    with pytest.raises(FormatError, match="upgrade dcr"):
+        status(url)
