@@ -5,6 +5,7 @@ Exit codes (also documented in the README):
   1  a check ran and found a mismatch (``dcr verify``)
   2  bad input: unreadable, corrupt or incompatible delta, wrong base, bad arguments
   3  conflict: another writer holds the lock, or a version already exists
+  4  not ready yet: a precondition that time may fix (``dcr commit`` still lacks acknowledgements)
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class ConflictError(DcrError):
     """Someone else is writing the same thing: a held lock, or a version that already exists."""
 
     exit_code = 3
+
+
+class NotReadyError(DcrError):
+    """A precondition that time may fix is not met yet (e.g. missing acknowledgements); retry later."""
+
+    exit_code = 4
 
 
 class VerifyFailed(DcrError):

@@ -30,3 +30,6 @@ def dcr():
 
 # Tests never read or write the user's digest cache.
 os.environ.setdefault("DCR_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"dcr-test-cache-{os.getpid()}"))
+
+
+pytest_plugins = ["store_fixtures"]

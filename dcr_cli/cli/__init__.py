@@ -20,9 +20,11 @@ def main() -> None:
 
 
 def _register() -> None:
-    from . import diff_cmd, inspect_cmd
+    from . import ack_cmd, check_cmd, commit_cmd, diff_cmd, gc_cmd, inspect_cmd, log_cmd, pull_cmd, push_cmd, status_cmd
 
     for module in (diff_cmd, inspect_cmd):
+        main.add_command(module.command)
+    for module in (push_cmd, pull_cmd, ack_cmd, commit_cmd, status_cmd, log_cmd, gc_cmd, check_cmd):
         main.add_command(module.command)
 
 

@@ -1,0 +1,61 @@
+"""dcr check."""
+
+from __future__ import annotations
+
+import click
+
+from ..errors import VerifyFailed
+from .common import emit_json, handle_errors, human_bytes
+from .store_options import parse_storage_options, storage_options
+
+
+@click.command("check")
+@click.argument("url")
+@click.option("--read-data", is_flag=True, help="Download every referenced block and check its digest.")
+@click.option("--read-data-subset", metavar="N|P%", help="Check a random sample: N blocks or P percent of them.")
+@click.option("--seed", type=int, help="Seed of the random sample (default: different each run).")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True, help="Parallel downloads.")
+@storage_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def command(
+    url: str,
+    read_data: bool,
+    read_data_subset: str | None,
+    seed: int | None,
+    workers: int,
+    storage_option: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Check the store at URL: structure, missing blocks, leftovers of killed pushes, and (optionally) bytes.
+
+    Exit 1 if anything is damaged; leftovers alone are reported with exit 0 (dcr gc removes them).
+    """
+    from ..store import check
+    from ..store.check import parse_subset
+
+    subset = parse_subset(read_data_subset) if read_data_subset else None
+    result = check(
+        url,
+        read_data=read_data,
+        subset=subset,
+        seed=seed,
+        workers=workers,
+        storage_options=parse_storage_options(storage_option),
+    )
+    if as_json:
+        emit_json(result.to_json())
+    else:
+        click.echo(
+            f"{url}: {result.versions} versions ({result.committed} committed), {result.blocks} blocks; "
+            f"read {result.blocks_read} blocks ({human_bytes(result.bytes_read)})"
+        )
+        if result.unreferenced_blocks or result.unreferenced_manifests:
+            click.echo(
+                f"unreferenced (killed pushes or dropped versions; dcr gc removes them): "
+                f"{len(result.unreferenced_blocks)} blocks, {len(result.unreferenced_manifests)} manifests"
+            )
+        for problem in result.problems:
+            click.echo(f"problem: {problem}", err=True)
+    if not result.ok:
+        raise VerifyFailed(f"{url}: {len(result.problems)} problems found: {result.problems[0]}")

@@ -1,0 +1,74 @@
+"""dcr pull."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from .common import byte_progress, emit_json, handle_errors, human_bytes
+from .store_options import parse_rate, parse_storage_options, storage_options
+
+
+@click.command("pull")
+@click.argument("url")
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="Delta directory to create.")
+@click.option("--version", "version", help="Version to fetch (default: the pending version, else the head).")
+@click.option(
+    "--since",
+    metavar="VERSION",
+    help="Fetch every delta a receiver at VERSION needs, as OUTPUT/<version>, in apply order.",
+)
+@click.option("--repair", is_flag=True, help="Also fetch repair blocks (to repair a receiver torn by a crash).")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True, help="Parallel downloads.")
+@click.option("--limit-rate", metavar="BYTES/S", help="Cap the download rate, e.g. 50M (bytes per second).")
+@storage_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
+@click.option("--progress/--no-progress", default=True, help="Progress bar on a terminal.")
+@handle_errors
+def command(
+    url: str,
+    out: str,
+    version: str | None,
+    since: str | None,
+    repair: bool,
+    workers: int,
+    limit_rate: str | None,
+    storage_option: tuple[str, ...],
+    as_json: bool,
+    progress: bool,
+) -> None:
+    """Download a version from the store at URL; every byte is verified before OUTPUT appears.
+
+    With --since, fetch the chain of deltas a lagging receiver needs.
+    """
+    from ..store import Store, pull, pull_since
+    from ..store.transfer import chain_between, resolve
+
+    options = parse_storage_options(storage_option)
+    common: dict[str, Any] = dict(storage_options=options, workers=workers, limit_rate=parse_rate(limit_rate))
+    total = 0
+    if progress and sys.stderr.isatty():
+        store = Store(url, options)
+        store.require_marker()
+        records = chain_between(store, since, version) if since is not None else [resolve(store, version)]
+        total = sum(r.payload_bytes + (r.repair_bytes if repair else 0) for r in records)
+    with byte_progress(total, "pull", progress) as advance:
+        if since is not None:
+            results = pull_since(url, since, out, version=version, progress=advance, repair=repair, **common)
+        else:
+            results = [pull(url, out, version=version, progress=advance, repair=repair, **common)]
+    if as_json:
+        emit_json(results[0].to_json() if since is None else {"versions": [r.to_json() for r in results]})
+        return
+    if not results:
+        click.echo(f"{url}: nothing to fetch; a receiver at {since} is up to date")
+    for r in results:
+        if r.already_present:
+            click.echo(f"{r.path}: already holds {r.version}")
+        else:
+            click.echo(
+                f"{r.path}: {r.version} (base {r.base}) verified; downloaded {r.downloaded_blocks} blocks "
+                f"({human_bytes(r.downloaded_bytes)}), reused {r.reused_blocks}"
+            )

@@ -1,0 +1,70 @@
+"""dcr push."""
+
+from __future__ import annotations
+
+import click
+
+from .common import byte_progress, emit_json, handle_errors, human_bytes
+from .store_options import parse_rate, parse_storage_options, storage_options
+
+
+@click.command("push")
+@click.argument("delta")
+@click.argument("url")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True, help="Parallel uploads.")
+@click.option("--limit-rate", metavar="BYTES/S", help="Cap the upload rate, e.g. 50M (bytes per second).")
+@click.option(
+    "--allow-unsafe-publish",
+    is_flag=True,
+    help="Publish on a store that cannot create objects atomically (safe only with a single producer).",
+)
+@click.option(
+    "--verify-remote",
+    is_flag=True,
+    help="Also download the blocks already on the store and replace any that are corrupt.",
+)
+@storage_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
+@click.option("--progress/--no-progress", default=True, help="Progress bar on a terminal.")
+@handle_errors
+def command(
+    delta: str,
+    url: str,
+    workers: int,
+    limit_rate: str | None,
+    allow_unsafe_publish: bool,
+    verify_remote: bool,
+    storage_option: tuple[str, ...],
+    as_json: bool,
+    progress: bool,
+) -> None:
+    """Publish DELTA on the store at URL, uploading only what the store lacks.
+
+    The version label is the delta's target version. Re-running after a kill
+    uploads only the rest; re-running after success changes nothing.
+    """
+    from ..delta.reader import Delta
+    from ..store import push
+
+    total = sum(b.size for b in {b.id: b for b in Delta.open(delta).manifest.blocks}.values())
+    with byte_progress(total, "push", progress) as advance:
+        result = push(
+            delta,
+            url,
+            storage_options=parse_storage_options(storage_option),
+            workers=workers,
+            progress=advance,
+            limit_rate=parse_rate(limit_rate),
+            allow_unsafe_publish=allow_unsafe_publish,
+            verify_remote=verify_remote,
+        )
+    if as_json:
+        emit_json(result.to_json())
+    elif result.already_published:
+        restored = f"; restored {result.uploaded_blocks} lost blocks" if result.uploaded_blocks else ""
+        click.echo(f"{url}: version {result.version} was already published with this delta{restored}")
+    else:
+        click.echo(
+            f"{url}: published {result.version} (base {result.base}): uploaded {result.uploaded_blocks} blocks "
+            f"({human_bytes(result.uploaded_bytes)}), {result.present_blocks} already there"
+        )

@@ -1,0 +1,592 @@
+"""A dcr store on any fsspec filesystem: layout, records and atomic writes (format_spec/store-v1.md).
+
+Layout under the store root::
+
+    dcr-store.json                 store marker: format version and genesis baseline (create-only)
+    blocks/<id>                    block bytes, id = BLAKE3 of the bytes (immutable, shared)
+    manifests/<digest>.json        manifest bytes, digest = BLAKE3 of the bytes (immutable)
+    versions/<version>.json        publication record of one version (create-only)
+    acks/<version>/<receiver>.json a receiver's acknowledgement that it holds the version
+    commits/<base version>.json    the joint commit of the version built on <base version> (create-only)
+    children/<base>/<version>      index: versions published on <base> (written just before their record)
+    latest.json                    hint: the newest committed version (may lag; never trusted alone)
+
+Every object is written so that a reader sees all of it or nothing: content
+addressed objects and records go to a temporary name and are renamed (local
+disks) or sent as one PUT (object stores). Records that decide something
+(publication, commit) are written create-only, so exactly one of two racing
+writers wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+import fsspec
+
+from ..errors import DcrError, FormatError
+from ..format.digest import is_digest
+from .retry import describe, retrying
+
+T = TypeVar("T")
+
+STORE_FORMAT = "dcr.store"
+STORE_MAJOR = 1
+STORE_MINOR = 0
+MARKER = "dcr-store.json"
+BLOCKS = "blocks"
+MANIFESTS = "manifests"
+VERSIONS = "versions"
+ACKS = "acks"
+COMMITS = "commits"
+CHILDREN = "children"
+LATEST = "latest.json"
+TMP_PREFIX = ".tmp-"  # local stores: objects being written; never a valid name of anything else
+
+MAX_RECORD_BYTES = 1 << 20
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+# In-process lock that makes memory:// create-only writes atomic (a memory store lives in one process).
+_MEMORY_LOCK = threading.Lock()
+
+
+def check_label(label: str, what: str) -> str:
+    """Version and receiver labels become object names: allow only a safe, portable alphabet."""
+    if not isinstance(label, str) or not _LABEL.fullmatch(label) or label.endswith(".json"):
+        raise DcrError(
+            f"{what} {label!r} is not a valid label: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+    return label
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def dumps(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
+def parse_record(raw: bytes, kind: str, where: str) -> dict[str, Any]:
+    """Parse a store record of the given kind, refusing unknown majors and malformed JSON."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise FormatError(f"{where}: record of {len(raw)} bytes is over the {MAX_RECORD_BYTES} byte limit")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise FormatError(f"{where}: not valid JSON (truncated or corrupt)") from None
+    if not isinstance(obj, dict) or obj.get("format") != kind:
+        raise FormatError(f"{where}: not a {kind} record")
+    version = obj.get("format_version")
+    if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
+        raise FormatError(f"{where}: format_version must be [major, minor]")
+    if version[0] != STORE_MAJOR:
+        raise FormatError(
+            f"{where}: store format major version {version[0]} is not supported by this dcr "
+            f"(reads {STORE_MAJOR}.x); upgrade dcr"
+        )
+    return obj
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A model state: its label in this store and its fingerprint (format_spec/delta-v1.md)."""
+
+    version: str
+    fingerprint: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"version": self.version, "fingerprint": self.fingerprint}
+
+    @staticmethod
+    def from_json(obj: Any, where: str) -> Ref:
+        if (
+            not isinstance(obj, dict)
+            or not isinstance(obj.get("version"), str)
+            or not is_digest(obj.get("fingerprint"))
+        ):
+            raise FormatError(f"{where}: needs a string version and a 64-hex fingerprint")
+        return Ref(obj["version"], obj["fingerprint"])
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """versions/<version>.json: a published version (its delta is complete on the store)."""
+
+    version: str
+    base: Ref
+    target: Ref
+    manifest: str  # digest of the manifest bytes: manifests/<manifest>.json
+    manifest_bytes: int
+    payload_bytes: int
+    repair_bytes: int
+    full_bytes: int
+    changed_elements: int
+    total_elements: int
+    blocks: int
+    created: str
+    producer: str = ""
+
+    KIND = "dcr.store.version"
+
+    @property
+    def change_rate(self) -> float:
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        obj = asdict(self)
+        obj.update(
+            format=self.KIND,
+            format_version=[STORE_MAJOR, STORE_MINOR],
+            base=self.base.to_json(),
+            target=self.target.to_json(),
+            change_rate=self.change_rate,
+        )
+        return obj
+
+    @staticmethod
+    def from_json(obj: dict[str, Any], where: str) -> VersionRecord:
+        try:
+            record = VersionRecord(
+                version=check_label(obj["version"], "version"),
+                base=Ref.from_json(obj["base"], where + " base"),
+                target=Ref.from_json(obj["target"], where + " target"),
+                manifest=obj["manifest"],
+                **{
+                    k: int(obj[k])
+                    for k in (
+                        "manifest_bytes",
+                        "payload_bytes",
+                        "repair_bytes",
+                        "full_bytes",
+                        "changed_elements",
+                        "total_elements",
+                        "blocks",
+                    )
+                },
+                created=str(obj.get("created", "")),
+                producer=str(obj.get("producer", "")),
+            )
+        except (KeyError, TypeError, ValueError, DcrError) as exc:
+            raise FormatError(f"{where}: malformed version record ({exc})") from None
+        if not is_digest(record.manifest):
+            raise FormatError(f"{where}: manifest must be a 64-hex digest")
+        return record
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """commits/<base version>.json: the one version committed on top of ``base``."""
+
+    version: str
+    base: Ref
+    target: Ref
+    acked: tuple[str, ...]
+    required: dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+
+    KIND = "dcr.store.commit"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.KIND,
+            "format_version": [STORE_MAJOR, STORE_MINOR],
+            "version": self.version,
+            "base": self.base.to_json(),
+            "target": self.target.to_json(),
+            "acked": list(self.acked),
+            "required": self.required,
+            "created": self.created,
+        }
+
+    @staticmethod
+    def from_json(obj: dict[str, Any], where: str) -> CommitRecord:
+        try:
+            return CommitRecord(
+                version=check_label(obj["version"], "version"),
+                base=Ref.from_json(obj["base"], where + " base"),
+                target=Ref.from_json(obj["target"], where + " target"),
+                acked=tuple(str(a) for a in obj.get("acked", [])),
+                required=dict(obj.get("required") or {}),
+                created=str(obj.get("created", "")),
+            )
+        except (KeyError, TypeError, ValueError, DcrError) as exc:
+            raise FormatError(f"{where}: malformed commit record ({exc})") from None
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One object found by listing a store directory."""
+
+    name: str
+    size: int
+    mtime: float | None  # seconds since the epoch, when the backend says
+
+
+class Store:
+    """A dcr store at an fsspec URL. Every call that touches the store is retried on transient errors."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        allow_unsafe_publish: bool = False,
+    ) -> None:
+        self.url = url
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ValueError, ImportError) as exc:
+            raise DcrError(f"cannot open store {url}: {describe(exc)}") from None
+        self.root = root.rstrip("/") or root
+        self.allow_unsafe_publish = allow_unsafe_publish
+        self.publish_method = self._publish_method()
+
+    # -- backend capabilities ------------------------------------------------------------------------------------
+
+    @property
+    def is_local(self) -> bool:
+        from fsspec.implementations.local import LocalFileSystem
+
+        return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def is_memory(self) -> bool:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        return isinstance(self.fs, MemoryFileSystem)
+
+    def _publish_method(self) -> str | None:
+        """How this backend makes a create-only write atomic, or None when it cannot."""
+        if self.is_local:
+            return "link"  # write a temporary file, then link(2) it: fails if the name exists
+        if self.is_memory:
+            return "process-lock"
+        package = type(self.fs).__module__.split(".")[0]
+        if package == "s3fs":
+            return "if-none-match"  # S3 conditional PUT, through s3fs pipe_file(mode="create")
+        if package == "gcsfs":
+            return "if-generation-match"  # GCS ifGenerationMatch=0, through gcsfs pipe_file(mode="create")
+        if package == "adlfs":
+            return "azure-if-none-match"  # Azure upload_blob(overwrite=False), through adlfs pipe_file
+        return None
+
+    def require_atomic_publish(self) -> None:
+        if self.publish_method is None and not self.allow_unsafe_publish:
+            raise DcrError(
+                f"{self.url}: this store ({type(self.fs).__name__}) cannot create an object atomically, so two "
+                "producers could both believe they published the same version; use a local, file://, s3://, "
+                "gs:// or az:// store, or pass --allow-unsafe-publish if only one producer ever writes here"
+            )
+
+    # -- paths and raw operations ----------------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        try:
+            return retrying(fn, f"{self.url}: {what}")
+        except (DcrError, OSError):
+            raise
+        except Exception as exc:  # client library errors (credentials, parameters...): one line, no traceback
+            raise DcrError(f"{self.url}: {what} failed: {describe(exc)}") from exc
+
+    def read(self, rel: str) -> bytes:
+        return self.call(lambda: self.fs.cat_file(self.path(rel)), f"read {rel}")
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        return self.call(lambda: self.fs.cat_file(self.path(rel), start=start, end=end), f"read {rel}")
+
+    def exists(self, rel: str) -> bool:
+        def run() -> bool:
+            self.fs.invalidate_cache(self.path(rel))
+            return bool(self.fs.exists(self.path(rel)))
+
+        return self.call(run, f"check {rel}")
+
+    def list(self, rel_dir: str) -> list[Listing]:
+        """Objects directly under a store directory (names only, no subdirectories); [] if it is absent."""
+        path = self.path(rel_dir)
+
+        def run() -> list[Listing]:
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+            return [
+                Listing(e["name"].rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0), _mtime(e))
+                for e in entries
+                if e.get("type") != "directory"
+            ]
+
+        return self.call(run, f"list {rel_dir}/")
+
+    def list_dirs(self, rel_dir: str) -> list[str]:
+        path = self.path(rel_dir)
+
+        def run() -> list[str]:
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+            return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+
+        return self.call(run, f"list {rel_dir}/")
+
+    def delete(self, rel: str) -> None:
+        def run() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.path(rel))
+
+        self.call(run, f"delete {rel}")
+
+    def put(self, rel: str, data: bytes) -> None:
+        """Write an object whole: readers see the previous state or all of ``data``, never a part."""
+        self.call(lambda: self._put(rel, data), f"write {rel}")
+
+    def create(self, rel: str, data: bytes) -> None:
+        """Create an object only if the name is free; raise FileExistsError if someone got there first."""
+        self.require_atomic_publish()
+        self.call(lambda: self._create(rel, data), f"create {rel}")
+
+    def _put(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        if self.is_local:
+            tmp = self._local_tmp(path, data)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            _fsync_dir(os.path.dirname(path))
+            return
+        if self.is_memory:
+            self.fs.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        self.fs.pipe_file(path, data)  # one PUT: object stores make it visible only when complete
+
+    def _create(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        method = self.publish_method
+        if method == "link":
+            tmp = self._local_tmp(path, data)
+            try:
+                os.link(tmp, path)  # atomic, fails with FileExistsError if the name is taken
+            finally:
+                _unlink_quietly(tmp)
+            _fsync_dir(os.path.dirname(path))
+        elif method == "process-lock":
+            with _MEMORY_LOCK:
+                if self.fs.exists(path):
+                    raise FileExistsError(path)
+                self.fs.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+                self.fs.pipe_file(path, data)
+        elif method in ("if-none-match", "if-generation-match", "azure-if-none-match"):
+            try:
+                if method == "azure-if-none-match":
+                    self.fs.pipe_file(path, data, overwrite=False)
+                else:
+                    self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                raise
+            except Exception as exc:
+                if _lost_conditional_create(exc):
+                    raise FileExistsError(path) from exc
+                raise
+        else:  # --allow-unsafe-publish: check, then write (a racing writer may slip in between)
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self.fs.pipe_file(path, data)
+
+    def _local_tmp(self, path: str, data: bytes) -> str:
+        directory, name = os.path.split(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}-{name}")
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    # -- typed records -----------------------------------------------------------------------------------------------
+
+    def read_record(self, rel: str, kind: str) -> dict[str, Any] | None:
+        """A record, or None if it does not exist."""
+        try:
+            raw = self.read(rel)
+        except FileNotFoundError:
+            return None
+        return parse_record(raw, kind, f"{self.url}/{rel}")
+
+    def marker(self) -> dict[str, Any] | None:
+        return self.read_record(MARKER, STORE_FORMAT)
+
+    def require_marker(self) -> dict[str, Any]:
+        marker = self.marker()
+        if marker is None:
+            raise DcrError(f"{self.url} is not a dcr store (no {MARKER}); push a delta to create it")
+        return marker
+
+    def genesis(self) -> Ref:
+        return Ref.from_json(self.require_marker().get("genesis"), f"{self.url}/{MARKER} genesis")
+
+    def init(self, genesis: Ref) -> Ref:
+        """Create the store marker if absent (create-only); return the store's genesis either way."""
+        marker = {
+            "format": STORE_FORMAT,
+            "format_version": [STORE_MAJOR, STORE_MINOR],
+            "genesis": genesis.to_json(),
+            "created": utc_now(),
+        }
+        if self.is_local:
+            os.makedirs(self.root, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            self.create(MARKER, dumps(marker))
+        return self.genesis()
+
+    def version(self, version: str) -> VersionRecord | None:
+        check_label(version, "version")
+        rel = f"{VERSIONS}/{version}.json"
+        obj = self.read_record(rel, VersionRecord.KIND)
+        return None if obj is None else VersionRecord.from_json(obj, f"{self.url}/{rel}")
+
+    def require_version(self, version: str) -> VersionRecord:
+        record = self.version(version)
+        if record is None:
+            raise DcrError(f"{self.url}: version {version!r} is not published here (see dcr log {self.url})")
+        return record
+
+    def versions(self) -> dict[str, VersionRecord]:
+        names = [e.name[: -len(".json")] for e in self.list(VERSIONS) if e.name.endswith(".json")]
+        out: dict[str, VersionRecord] = {}
+        for name in names:
+            if _LABEL.fullmatch(name):
+                record = self.version(name)
+                if record is not None:
+                    out[name] = record
+        return out
+
+    def children(self, base_version: str) -> list[VersionRecord]:
+        """Published versions built on ``base_version``, oldest first (found through the children index)."""
+        out = []
+        for entry in self.list(f"{CHILDREN}/{base_version}"):
+            if _LABEL.fullmatch(entry.name):
+                record = self.version(entry.name)
+                if record is not None and record.base.version == base_version:
+                    out.append(record)
+        return sorted(out, key=lambda r: (r.created, r.version))
+
+    def commits_after(self, version: str) -> list[CommitRecord]:
+        """The committed versions that follow ``version``, in order, up to the head."""
+        out: list[CommitRecord] = []
+        seen = {version}
+        current = version
+        while (record := self.commit_on(current)) is not None:
+            if record.version in seen:
+                raise FormatError(f"{self.url}: the commit chain loops at {record.version!r}; the store is damaged")
+            seen.add(record.version)
+            out.append(record)
+            current = record.version
+        return out
+
+    def is_committed(self, version: str) -> bool:
+        """Whether ``version`` is the genesis or a committed version."""
+        if version == self.genesis().version:
+            return True
+        record = self.version(version)
+        if record is None:
+            return False
+        commit = self.commit_on(record.base.version)
+        return commit is not None and commit.version == version
+
+    def commit_on(self, base_version: str) -> CommitRecord | None:
+        rel = f"{COMMITS}/{base_version}.json"
+        obj = self.read_record(rel, CommitRecord.KIND)
+        return None if obj is None else CommitRecord.from_json(obj, f"{self.url}/{rel}")
+
+    def chain(self) -> list[CommitRecord]:
+        """Committed versions in order, from the genesis baseline to the head."""
+        return self.commits_after(self.genesis().version)
+
+    def head(self) -> Ref:
+        """The newest committed state: the only base a producer may diff against."""
+        start = self._hinted_head()
+        current = start
+        while (record := self.commit_on(current.version)) is not None:
+            current = record.target
+        return current
+
+    def _hinted_head(self) -> Ref:
+        """Start point of the head walk: latest.json if it names a committed version, else the genesis."""
+        genesis = self.genesis()
+        try:
+            hint = json.loads(self.read(LATEST))
+            version = check_label(hint["version"], "version")
+            record = self.version(version)
+        except (FileNotFoundError, ValueError, KeyError, TypeError, DcrError):
+            return genesis
+        if record is None:
+            return genesis
+        commit = self.commit_on(record.base.version)
+        if commit is None or commit.version != version:
+            return genesis
+        return commit.target
+
+    def manifest_bytes(self, record: VersionRecord) -> bytes:
+        """The version's manifest, checked against the digest its record names."""
+        from ..format.digest import digest_bytes
+
+        rel = f"{MANIFESTS}/{record.manifest}.json"
+        try:
+            raw = self.read(rel)
+        except FileNotFoundError:
+            raise DcrError(
+                f"{self.url}: the manifest of version {record.version!r} is gone (removed by dcr gc?)"
+            ) from None
+        if digest_bytes(raw) != record.manifest:
+            from ..errors import IntegrityError
+
+            raise IntegrityError(f"{self.url}/{rel}: manifest of version {record.version!r} is corrupt")
+        return raw
+
+
+def _lost_conditional_create(exc: BaseException) -> bool:
+    """Whether a backend error means "the name exists" (HTTP 412/409 on a conditional create)."""
+    if type(exc).__name__ in ("ResourceExistsError", "PreconditionFailed"):
+        return True
+    return any(getattr(exc, attr, None) in (409, 412) for attr in ("code", "status", "status_code"))
+
+
+def _mtime(entry: dict[str, Any]) -> float | None:
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = entry.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+    return None
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

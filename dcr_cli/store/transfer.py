@@ -1,0 +1,491 @@
+"""Moving deltas to and from a store: ``push``, ``pull`` and opening a stored version in place.
+
+Push order is blocks -> manifest -> version record, so a version is visible
+only once everything it needs is on the store; the record is written
+create-only, which is what makes publication atomic. Pull verifies every byte
+against the manifest digests and only then renames the local directory into
+place, so a pulled delta is never half-valid. Both resume: what is already
+complete (on the store, or in the pull's partial directory) is checked and
+kept, the rest is transferred.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..delta.reader import Delta
+from ..delta.writer import fsync_dir, write_atomic
+from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
+from ..format.digest import digest_bytes
+from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
+from .repo import BLOCKS, CHILDREN, MANIFESTS, VERSIONS, Ref, Store, VersionRecord, check_label, dumps, utc_now
+
+Progress = Callable[[int], None]  # called with bytes transferred
+DEFAULT_WORKERS = 8
+PULL_STATE = ".dcr-pull.json"
+
+
+class RateLimit:
+    """Caps the average transfer rate of all workers together (bytes per second)."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if bytes_per_s <= 0:
+            raise DcrError("--limit-rate must be positive")
+        self.rate = float(bytes_per_s)
+        self.start = time.monotonic()
+        self.sent = 0
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self.lock:
+            self.sent += n
+            due = self.start + self.sent / self.rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def parallel(tasks: Iterable[Callable[[], None]], workers: int) -> None:
+    """Run tasks on a thread pool; the first failure cancels what has not started and is raised."""
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = [pool.submit(task) for task in tasks]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+# -- push --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PushResult:
+    store: str
+    version: str
+    base: str
+    manifest: str
+    blocks: int
+    uploaded_blocks: int
+    uploaded_bytes: int
+    present_blocks: int
+    present_bytes: int
+    already_published: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def version_record(manifest: Manifest, manifest_id: str, manifest_size: int, base: Ref) -> VersionRecord:
+    changed = sum(it.changed_elements for it in manifest.items)
+    return VersionRecord(
+        version=manifest.target.version,
+        base=base,
+        target=Ref(manifest.target.version, manifest.target.fingerprint),
+        manifest=manifest_id,
+        manifest_bytes=manifest_size,
+        payload_bytes=manifest.payload_bytes(),
+        repair_bytes=sum(b.size for b in manifest.blocks if b.role == "repair"),
+        full_bytes=sum(t.nbytes for t in manifest.tensors.values()),
+        changed_elements=changed,
+        total_elements=sum(t.numel for t in manifest.tensors.values()),
+        blocks=len({b.id for b in manifest.blocks}),
+        created=utc_now(),
+        producer=f"dcr {__version__}",
+    )
+
+
+def push(
+    delta: str | os.PathLike[str],
+    url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    workers: int = DEFAULT_WORKERS,
+    progress: Progress | None = None,
+    limit_rate: float | None = None,
+    allow_unsafe_publish: bool = False,
+    verify_remote: bool = False,
+) -> PushResult:
+    """Publish the delta at ``delta`` as version ``<its target version>`` on the store at ``url``.
+
+    Only blocks the store lacks are uploaded (``verify_remote`` also downloads
+    the blocks already there and replaces any whose digest is wrong). The
+    delta's base must be the store's committed head (the genesis for a new
+    store): a delta computed against anything else is refused. Pushing a
+    version that is already published with this very delta restores any of
+    its blocks the store lost, and is otherwise a no-op.
+    """
+    source = Delta.open(delta)
+    manifest = source.manifest
+    version = check_label(manifest.target.version, "the delta's target version")
+    store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
+    store.require_atomic_publish()
+    store.init(Ref(manifest.base.version, manifest.base.fingerprint))
+    unique = list({b.id: b for b in manifest.blocks}.values())
+
+    existing = store.version(version)
+    if existing is not None and existing.manifest != source.id:
+        raise ConflictError(
+            f"{url}: version {version!r} is already published with a different delta (manifest "
+            f"{existing.manifest[:16]}…); label this delta differently (dcr diff --target-version)"
+        )
+    base = existing.base if existing is not None else store.head()
+    if existing is None and manifest.base.fingerprint != base.fingerprint:
+        raise IncompatibleError(
+            f"the delta's base ({manifest.base.version}) is not the committed baseline of {url} "
+            f"({base.version}); re-run dcr diff against {base.version} (dcr status {url} --json shows it)"
+        )
+
+    present = {e.name: e.size for e in store.list(BLOCKS)}
+    missing = [b for b in unique if present.get(b.id) != b.size]
+    if verify_remote:
+        missing += _corrupt_on_store(store, [b for b in unique if present.get(b.id) == b.size], workers)
+    missing_ids = {b.id for b in missing}
+    kept = [b for b in unique if b.id not in missing_ids]
+    limiter = RateLimit(limit_rate) if limit_rate else None
+
+    def upload(block: BlockEntry) -> Callable[[], None]:
+        def run() -> None:
+            data = _read_local_block(source, block)
+            if limiter is not None:
+                limiter.take(len(data))
+            store.put(f"{BLOCKS}/{block.id}", data)
+            if progress is not None:
+                progress(len(data))
+
+        return run
+
+    if progress is not None:
+        progress(sum(b.size for b in kept))
+    parallel((upload(b) for b in missing), workers)
+
+    raw = source.fs.cat_file(f"{source.root}/{MANIFEST_NAME}")
+    if digest_bytes(raw) != source.id:
+        raise IntegrityError(f"{delta}: manifest changed while it was being pushed")
+    if existing is None or not store.exists(f"{MANIFESTS}/{source.id}.json"):
+        store.put(f"{MANIFESTS}/{source.id}.json", raw)
+
+    if existing is None:
+        # Everything the record promises must be there now (a concurrent dcr gc could have removed a block).
+        present = {e.name: e.size for e in store.list(BLOCKS)}
+        lost = [b.id for b in unique if present.get(b.id) != b.size]
+        if lost:
+            raise ConflictError(
+                f"{url}: block {lost[0][:16]}… vanished during the push (a concurrent dcr gc?); re-run dcr push"
+            )
+        record = version_record(manifest, source.id, len(raw), base)
+        store.put(f"{CHILDREN}/{base.version}/{version}", b"")  # index entry; the record below decides
+        try:
+            store.create(f"{VERSIONS}/{version}.json", dumps(record.to_json()))
+        except FileExistsError:
+            winner = store.require_version(version)
+            if winner.manifest != source.id:
+                raise ConflictError(
+                    f"{url}: version {version!r} was just published by another producer (manifest "
+                    f"{winner.manifest[:16]}…); this push lost the race and published nothing"
+                ) from None
+    return PushResult(
+        store=url,
+        version=version,
+        base=base.version,
+        manifest=source.id,
+        blocks=len(unique),
+        uploaded_blocks=len(missing),
+        uploaded_bytes=sum(b.size for b in missing),
+        present_blocks=len(kept),
+        present_bytes=sum(b.size for b in kept),
+        already_published=existing is not None,
+    )
+
+
+def _corrupt_on_store(store: Store, blocks: list[BlockEntry], workers: int) -> list[BlockEntry]:
+    corrupt: list[BlockEntry] = []
+
+    def verify(block: BlockEntry) -> Callable[[], None]:
+        def run() -> None:
+            if digest_bytes(store.read(f"{BLOCKS}/{block.id}")) != block.id:
+                corrupt.append(block)
+
+        return run
+
+    parallel((verify(b) for b in blocks), workers)
+    return corrupt
+
+
+def _read_local_block(source: Delta, block: BlockEntry) -> bytes:
+    try:
+        data = source.fs.cat_file(source.block_path(block))
+    except FileNotFoundError:
+        raise IntegrityError(f"{source.url}: block {block.id[:16]}… is missing; the delta is incomplete") from None
+    if len(data) != block.size or digest_bytes(data) != block.id:
+        raise IntegrityError(f"{source.url}: block {block.id[:16]}… is corrupt; nothing corrupt was published")
+    return data
+
+
+# -- choosing a version ------------------------------------------------------------------------------------------------
+
+
+def tip(store: Store) -> VersionRecord:
+    """What a receiver should hold next: the one pending version on the committed head, else the head itself."""
+    head = store.head()
+    pending = store.children(head.version)
+    if len(pending) > 1:
+        raise ConflictError(
+            f"{store.url}: several versions wait on {head.version}: {', '.join(r.version for r in pending)}; "
+            "pass --version"
+        )
+    if pending:
+        return pending[0]
+    if head.version == store.genesis().version:
+        raise DcrError(f"{store.url}: nothing is published yet")
+    return store.require_version(head.version)
+
+
+def resolve(store: Store, version: str | None) -> VersionRecord:
+    return store.require_version(version) if version else tip(store)
+
+
+def chain_between(store: Store, since: str, until: str | None) -> list[VersionRecord]:
+    """The versions a receiver holding ``since`` applies, in order, to reach ``until`` (default: the tip)."""
+    check_label(since, "--since version")
+    if not store.is_committed(since):
+        raise DcrError(
+            f"{store.url}: {since!r} is not a committed version; a receiver can only catch up from a committed "
+            "state (see dcr log)"
+        )
+    names = [c.version for c in store.commits_after(since)]
+    head = names[-1] if names else since
+    target = resolve(store, until)
+    if target.version == since:
+        names = []
+    elif target.version in names:
+        names = names[: names.index(target.version) + 1]
+    elif target.base.version == head:
+        names.append(target.version)
+    else:
+        raise DcrError(
+            f"{store.url}: {target.version!r} cannot be reached from {since!r} (it is older, or stale: see dcr log)"
+        )
+    return [store.require_version(name) for name in names]
+
+
+# -- pull --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PullResult:
+    store: str
+    version: str
+    base: str
+    target_fingerprint: str
+    path: str
+    manifest: str
+    blocks: int
+    downloaded_blocks: int
+    downloaded_bytes: int
+    reused_blocks: int
+    reused_bytes: int
+    already_present: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pull(
+    url: str,
+    out: str | os.PathLike[str],
+    *,
+    version: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    workers: int = DEFAULT_WORKERS,
+    progress: Progress | None = None,
+    limit_rate: float | None = None,
+    repair: bool = False,
+) -> PullResult:
+    """Download a version into the local delta directory ``out``, verifying every byte first.
+
+    ``repair`` also fetches the repair blocks (only needed to repair a receiver torn by a crash).
+    """
+    store = Store(url, storage_options)
+    store.require_marker()
+    record = resolve(store, version)
+    limiter = RateLimit(limit_rate) if limit_rate else None
+    return _pull_record(store, record, Path(out), workers, progress, limiter, repair)
+
+
+def pull_since(
+    url: str,
+    since: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    version: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    workers: int = DEFAULT_WORKERS,
+    progress: Progress | None = None,
+    limit_rate: float | None = None,
+    repair: bool = False,
+) -> list[PullResult]:
+    """Download every delta a receiver at ``since`` needs, as ``out_dir/<version>``, in apply order."""
+    store = Store(url, storage_options)
+    store.require_marker()
+    records = chain_between(store, since, version)
+    limiter = RateLimit(limit_rate) if limit_rate else None
+    return [_pull_record(store, r, Path(out_dir) / r.version, workers, progress, limiter, repair) for r in records]
+
+
+def _pull_record(
+    store: Store,
+    record: VersionRecord,
+    out: Path,
+    workers: int,
+    progress: Progress | None,
+    limiter: RateLimit | None,
+    repair: bool,
+) -> PullResult:
+    raw = store.manifest_bytes(record)  # checked against the digest in the version record
+    manifest = parse_manifest(raw)
+    if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
+        raise IntegrityError(f"{store.url}: manifest of {record.version!r} does not match its version record")
+    roles = ("data", "repair") if repair else ("data",)
+    wanted = list({b.id: b for b in manifest.blocks if b.role in roles}.values())
+
+    def result(downloaded: list[BlockEntry], reused: list[BlockEntry], already: bool) -> PullResult:
+        return PullResult(
+            store=store.url,
+            version=record.version,
+            base=record.base.version,
+            target_fingerprint=record.target.fingerprint,
+            path=str(out),
+            manifest=record.manifest,
+            blocks=len(wanted),
+            downloaded_blocks=len(downloaded),
+            downloaded_bytes=sum(b.size for b in downloaded),
+            reused_blocks=len(reused),
+            reused_bytes=sum(b.size for b in reused),
+            already_present=already,
+        )
+
+    if out.exists():
+        held = out / MANIFEST_NAME
+        if held.is_file() and digest_bytes(held.read_bytes()) == record.manifest:
+            present = [b for b in wanted if _local_block_ok(out / BLOCKS_DIR / b.id, b)]
+            if len(present) == len(wanted):
+                return result([], present, True)
+        raise ConflictError(
+            f"{out} already exists and is not an intact copy of version {record.version!r}; "
+            "choose another -o or remove it"
+        )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial"
+    partial.mkdir(exist_ok=True)
+    with open(partial / ".lock", "a+b") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConflictError(f"another dcr pull is writing {out}; wait for it to finish") from None
+        state = partial / PULL_STATE
+        if not state.exists() or state.read_bytes() != record.manifest.encode():
+            # A partial download of some other version: start over.
+            shutil.rmtree(partial / BLOCKS_DIR, ignore_errors=True)
+            write_atomic(state, record.manifest.encode())
+        blocks_dir = partial / BLOCKS_DIR
+        blocks_dir.mkdir(exist_ok=True)
+        reused = [b for b in wanted if _local_block_ok(blocks_dir / b.id, b)]
+        reused_ids = {b.id for b in reused}
+        missing = [b for b in wanted if b.id not in reused_ids]
+        if progress is not None:
+            progress(sum(b.size for b in reused))
+
+        def download(block: BlockEntry) -> Callable[[], None]:
+            def run() -> None:
+                data = store.read(f"{BLOCKS}/{block.id}") if block.size else b""
+                if limiter is not None:
+                    limiter.take(len(data))
+                if len(data) != block.size or digest_bytes(data) != block.id:
+                    raise IntegrityError(
+                        f"{store.url}: block {block.id[:16]}… of version {record.version!r} is corrupt on the "
+                        "store (digest mismatch); nothing was written to the output — repair it with "
+                        "dcr push DELTA URL --verify-remote, then pull again"
+                    )
+                write_atomic(blocks_dir / block.id, data)
+                if progress is not None:
+                    progress(len(data))
+
+            return run
+
+        try:
+            parallel((download(b) for b in missing), workers)
+        except FileNotFoundError as exc:
+            raise IntegrityError(
+                f"{store.url}: a block of version {record.version!r} is missing from the store ({exc}); "
+                "restore it with dcr push DELTA URL, then pull again"
+            ) from None
+        for stray in blocks_dir.iterdir():
+            if stray.name not in {b.id for b in wanted}:
+                stray.unlink()
+        write_atomic(partial / MANIFEST_NAME, raw)
+        fsync_dir(blocks_dir)
+        state.unlink()
+        (partial / ".lock").unlink()
+        fsync_dir(partial)
+        os.rename(partial, out)
+        fsync_dir(out.parent)
+    return result(missing, reused, False)
+
+
+def _local_block_ok(path: Path, block: BlockEntry) -> bool:
+    try:
+        if path.stat().st_size != block.size:
+            path.unlink()
+            return False
+        if digest_bytes(path.read_bytes()) != block.id:
+            path.unlink()
+            return False
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# -- reading a version in place ----------------------------------------------------------------------------------------
+
+
+def open_version(url: str, version: str | None = None, *, storage_options: dict[str, Any] | None = None) -> Delta:
+    """Open a stored version as a Delta that reads its blocks straight from the store.
+
+    Every section read through it is checked against the manifest digests, and
+    the manifest against the digest in the version record.
+    """
+    store = Store(url, storage_options)
+    store.require_marker()
+    record = resolve(store, version)
+    raw = store.manifest_bytes(record)
+    return Delta(
+        f"{url} (version {record.version})", parse_manifest(raw), record.manifest, len(raw), store.fs, store.root
+    )
+
+
+def open_delta(location: str, version: str | None = None, *, storage_options: dict[str, Any] | None = None) -> Delta:
+    """Open a delta given either a delta directory (path or URL) or a store URL (plus an optional version)."""
+    if is_store(location, storage_options):
+        return open_version(location, version, storage_options=storage_options)
+    if version is not None:
+        raise DcrError(f"{location} is a delta, not a store: --version does not apply")
+    return Delta.open(location)
+
+
+def is_store(location: str, storage_options: dict[str, Any] | None = None) -> bool:
+    store = Store(location, storage_options)
+    return store.exists("dcr-store.json")

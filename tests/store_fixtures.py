@@ -1,0 +1,199 @@
+"""Fixtures for store tests: a real S3 HTTP endpoint (moto's server mode) on 127.0.0.1, tiny checkpoints.
+
+Import with ``from store_fixtures import *`` from a test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Dummy credentials for the local endpoint. Tests assert that they never appear in any output.
+FAKE_KEY_ID = "AKIADCRTESTKEYID0000"
+FAKE_SECRET = "dcr-test-secret-never-printed-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+@dataclass
+class S3Endpoint:
+    url: str
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.url, "key": FAKE_KEY_ID, "secret": FAKE_SECRET}
+
+    def env(self) -> dict[str, str]:
+        """Environment for a dcr subprocess: the endpoint through fsspec's own config variables."""
+        return {
+            **os.environ,
+            "PYTHONPATH": str(REPO_ROOT),
+            "AWS_ACCESS_KEY_ID": FAKE_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3_ENDPOINT_URL": self.url,
+        }
+
+    def filesystem(self) -> Any:
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[S3Endpoint]:
+    """moto in server mode, a separate process speaking S3 over HTTP on 127.0.0.1 (no mocks in dcr's process)."""
+    port = free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        wait_for_port(port)
+        yield S3Endpoint(f"http://127.0.0.1:{port}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_url(s3_endpoint: S3Endpoint) -> str:
+    """A fresh bucket per test; the store lives under a prefix in it."""
+    bucket = f"dcr-{uuid.uuid4().hex[:12]}"
+    s3_endpoint.filesystem().mkdir(bucket)
+    return f"s3://{bucket}/store"
+
+
+def run_dcr(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = env or {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "dcr_cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
+
+
+def spawn_dcr(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    full_env = env or {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "dcr_cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=REPO_ROOT,
+    )
+
+
+def json_out(proc: subprocess.CompletedProcess[str]) -> Any:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+# -- checkpoints and deltas --------------------------------------------------------------------------------------------
+
+
+def write_checkpoint(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def base_tensors(seed: int = 0, size: int = 4096) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "embed.weight": rng.standard_normal((size // 64, 64)).astype(np.float16),
+        "layer.0.weight": (rng.standard_normal((64, size // 64)) * 0.02).astype(np.float32),
+        "norm.weight": np.ones(64, dtype=np.float16),
+    }
+
+
+def step(tensors: dict[str, np.ndarray], seed: int, rate: float = 0.05) -> dict[str, np.ndarray]:
+    """A small training step: a fraction of the elements change by one or a few ulps."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("norm"):
+            out[name] = t.copy()
+            continue
+        bits = t.view(np.uint16 if t.dtype == np.float16 else np.uint32).copy()
+        mask = rng.random(bits.shape) < rate
+        bits[mask] += rng.integers(1, 4, size=int(mask.sum())).astype(bits.dtype)
+        out[name] = bits.view(t.dtype)
+    return out
+
+
+def make_deltas(tmp: Path, steps: int, *, seed: int = 0, size: int = 4096) -> tuple[list[Path], list[Path]]:
+    """Checkpoints c0..cN and deltas d1..dN (di: c(i-1) -> ci, labelled v0 -> vi)."""
+    from dcr_cli.diff import diff
+
+    states = [base_tensors(seed, size)]
+    for i in range(steps):
+        states.append(step(states[-1], seed * 1000 + i + 1))
+    ckpts = [write_checkpoint(tmp / f"c{i}", s) for i, s in enumerate(states)]
+    deltas = []
+    for i in range(1, steps + 1):
+        out = tmp / f"d{i}"
+        diff(ckpts[i - 1], ckpts[i], out, base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
+        deltas.append(out)
+    return ckpts, deltas
+
+
+def big_delta(tmp: Path, name: str = "big", *, tensors: int = 16, elements: int = 4096) -> Path:
+    """A delta v0 -> v1 with one data and one repair block per tensor (all elements change), ~0.5 MiB in all."""
+    from dcr_cli.delta.writer import DeltaWriter
+    from dcr_cli.diff import diff
+
+    rng = np.random.default_rng(7)
+    base = {f"w{i:03d}": rng.standard_normal(elements).astype(np.float32) for i in range(tensors)}
+    new = {k: rng.standard_normal(elements).astype(np.float32) for k in base}
+    block_bytes = 1024  # every item closes its block: many blocks, so a kill lands mid-transfer
+    c0 = write_checkpoint(tmp / f"{name}-c0", base)
+    c1 = write_checkpoint(tmp / f"{name}-c1", new)
+    defaults = DeltaWriter.__init__.__kwdefaults__
+    assert defaults is not None
+    saved = defaults["block_bytes"]
+    defaults["block_bytes"] = block_bytes  # many small blocks: a kill lands mid-push
+    try:
+        diff(c0, c1, tmp / name, base_version="v0", target_version="v1", workers=1)
+    finally:
+        defaults["block_bytes"] = saved
+    return tmp / name
+
+
+def delta_files(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}

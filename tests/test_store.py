@@ -1,0 +1,354 @@
+"""dcr's store side over real backends: local disk, memory://, and S3 (moto's server on 127.0.0.1 via s3fs)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from store_fixtures import S3Endpoint, delta_files, make_deltas
+
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import ConflictError, DcrError, IncompatibleError, IntegrityError, NotReadyError
+from dcr_cli.store import (
+    Store,
+    acknowledge,
+    check,
+    commit,
+    gc,
+    log,
+    open_delta,
+    pull,
+    pull_since,
+    push,
+    status,
+)
+
+
+@pytest.fixture(params=["local", "file", "memory", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict]:
+    if request.param == "local":
+        return str(tmp_path / "store"), {}
+    if request.param == "file":
+        return f"file://{tmp_path / 'store'}", {}
+    if request.param == "memory":
+        return f"memory://dcr-{uuid.uuid4().hex}/store", {}
+    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+    return request.getfixturevalue("s3_url"), endpoint.storage_options
+
+
+@pytest.fixture(scope="module")
+def deltas(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[Path]]:
+    return make_deltas(tmp_path_factory.mktemp("ckpts"), 3)
+
+
+def test_round_trip(store_url: tuple[str, dict], deltas: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
+    url, opts = store_url
+    _, (d1, *_) = deltas
+    result = push(d1, url, storage_options=opts)
+    assert (result.version, result.base, result.already_published) == ("v1", "v0", False)
+    assert result.uploaded_blocks == result.blocks > 0
+
+    again = push(d1, url, storage_options=opts)
+    assert again.already_published and again.uploaded_blocks == 0
+
+    pulled = pull(url, tmp_path / "p1", storage_options=opts)
+    assert pulled.version == "v1" and pulled.downloaded_blocks == pulled.blocks
+    source, copy = Delta.open(d1), Delta.open(tmp_path / "p1")
+    assert copy.id == source.id  # byte-identical manifest
+    data_blocks = {f"blocks/{b.id}" for b in source.manifest.blocks if b.role == "data"}
+    assert set(delta_files(tmp_path / "p1")) == {"manifest.json", *data_blocks}
+    for name in data_blocks:
+        assert (tmp_path / "p1" / name).read_bytes() == (d1 / name).read_bytes()
+
+    # The store can also be read in place, every section checked against its digest; a plain delta
+    # directory opens through the same call (what dcr apply uses for "DELTA or store URL").
+    assert open_delta(str(d1)).id == source.id
+    remote = open_delta(url, "v1", storage_options=opts)
+    assert remote.id == source.id
+    for item in remote.manifest.items:
+        assert remote.decode(item).values.tobytes() == source.decode(item).values.tobytes()
+
+    with_repair = pull(url, tmp_path / "p1r", storage_options=opts, repair=True)
+    assert set(delta_files(tmp_path / "p1r")) == set(delta_files(d1))
+    assert with_repair.blocks == len({b.id for b in source.manifest.blocks})
+
+
+@pytest.mark.parametrize("backend", ["local", "memory", "s3"])
+def test_create_only_has_exactly_one_winner(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if backend == "local":
+        store = Store(str(tmp_path / "store"))
+    elif backend == "memory":
+        store = Store(f"memory://dcr-{uuid.uuid4().hex}")
+    else:
+        store = Store(request.getfixturevalue("s3_url"), request.getfixturevalue("s3_endpoint").storage_options)
+    racers = 8
+    barrier = threading.Barrier(racers)
+    winners: list[int] = []
+    losers: list[int] = []
+
+    def race(i: int) -> None:
+        barrier.wait()
+        try:
+            store.create("versions/race.json", f"writer {i}".encode())
+            winners.append(i)
+        except FileExistsError:
+            losers.append(i)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(racers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1 and len(losers) == racers - 1
+    assert store.read("versions/race.json") == f"writer {winners[0]}".encode()
+
+
+def test_store_without_atomic_create_is_refused_unless_allowed(deltas: tuple[list[Path], list[Path]]) -> None:
+    _, (d1, *_) = deltas
+    url = f"dir::memory://dcr-{uuid.uuid4().hex}"  # DirFileSystem: create-only is check-then-write there
+    with pytest.raises(DcrError, match="cannot create an object atomically"):
+        push(d1, url)
+    assert push(d1, url, allow_unsafe_publish=True).version == "v1"
+
+
+def test_joint_commit_needs_every_named_ack(deltas: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
+    _, (d1, d2, _) = deltas
+    url = str(tmp_path / "store")
+    push(d1, url)
+    acknowledge(url, "v1", "rollout-a")
+    with pytest.raises(NotReadyError, match="missing: rollout-b"):
+        commit(url, "v1", receivers=["rollout-a", "rollout-b"])
+    assert not (tmp_path / "store" / "commits").exists() or not any((tmp_path / "store" / "commits").iterdir())
+    state = status(url)
+    assert state["head"]["version"] == "v0" and [p["version"] for p in state["pending"]] == ["v1"]
+    assert state["pending"][0]["acked"] == ["rollout-a"]
+
+    # The producer must not build on the uncommitted v1.
+    with pytest.raises(IncompatibleError, match="not the committed baseline"):
+        push(d2, url)
+
+    with pytest.raises(IncompatibleError):
+        acknowledge(url, "v1", "rollout-b", fingerprint=Delta.open(d1).manifest.base.fingerprint)
+    acknowledge(url, "v1", "rollout-b", fingerprint=Delta.open(d1).manifest.target.fingerprint)
+    done = commit(url, "v1", receivers=["rollout-a", "rollout-b"])
+    assert done.acked == ["rollout-a", "rollout-b"] and not done.already_committed
+    assert commit(url, "v1", receivers=["rollout-a", "rollout-b"]).already_committed
+
+    state = status(url)
+    assert state["diff_base"] == {"version": "v1", "fingerprint": Delta.open(d1).manifest.target.fingerprint}
+    assert state["pending"] == [] and state["committed"]
+    push(d2, url)
+    acknowledge(url, "v2", "rollout-a")
+    with pytest.raises(NotReadyError):
+        commit(url, "v2", quorum=2)
+    assert commit(url, "v2", quorum=1).acked == ["rollout-a"]
+
+    entries = log(url)
+    assert [(e.version, e.state) for e in entries] == [("v1", "committed"), ("v2", "committed")]
+    assert all(0 < e.change_rate < 0.2 and e.payload_bytes > 0 and e.full_bytes > e.payload_bytes for e in entries)
+
+
+def test_stale_version_cannot_be_committed(tmp_path: Path) -> None:
+    """Two candidate versions on one base: committing one makes the other stale for good."""
+    ckpts, (d1,) = make_deltas(tmp_path / "a", 1)
+    from safetensors.numpy import load_file
+    from store_fixtures import step, write_checkpoint
+
+    from dcr_cli.diff import diff
+
+    other = write_checkpoint(tmp_path / "other", step(load_file(str(ckpts[0] / "model.safetensors")), 999))
+    diff(ckpts[0], other, tmp_path / "d1b", base_version="v0", target_version="v1b", workers=1)
+    url = str(tmp_path / "store")
+    push(d1, url)
+    push(tmp_path / "d1b", url)
+    with pytest.raises(ConflictError, match="several versions"):
+        pull(url, tmp_path / "out")
+    acknowledge(url, "v1", "r")
+    acknowledge(url, "v1b", "r")
+    commit(url, "v1b", receivers=["r"])
+    with pytest.raises(ConflictError, match="stale"):
+        commit(url, "v1", receivers=["r"])
+    assert {e.version: e.state for e in log(url)} == {"v1b": "committed", "v1": "stale"}
+    assert pull(url, tmp_path / "out").version == "v1b"
+
+
+def _publish_chain(url: str, deltas: list[Path], opts: dict | None = None) -> None:
+    for d in deltas:
+        result = push(d, url, storage_options=opts)
+        acknowledge(url, result.version, "r", storage_options=opts)
+        commit(url, result.version, receivers=["r"], storage_options=opts)
+
+
+def test_pull_since_fetches_the_chain_a_lagging_receiver_needs(
+    deltas: tuple[list[Path], list[Path]], tmp_path: Path
+) -> None:
+    _, ds = deltas
+    url = str(tmp_path / "store")
+    _publish_chain(url, ds)
+    results = pull_since(url, "v0", tmp_path / "chain")
+    assert [r.version for r in results] == ["v1", "v2", "v3"]
+    for r, d in zip(results, ds, strict=True):
+        assert Delta.open(r.path).id == Delta.open(d).id
+    assert [r.version for r in pull_since(url, "v2", tmp_path / "chain2")] == ["v3"]
+    assert pull_since(url, "v3", tmp_path / "chain3") == []
+    with pytest.raises(DcrError, match="not a committed version"):
+        pull_since(url, "v9", tmp_path / "chain4")
+
+
+def test_gc_keeps_what_live_versions_need(tmp_path: Path) -> None:
+    """v1: A->B, v2: B->A, v3: A->B. XOR data is symmetric, so v3 shares blocks with v1 (and v2's data)."""
+    from store_fixtures import base_tensors, step, write_checkpoint
+
+    from dcr_cli.diff import diff
+
+    a = base_tensors(3)
+    b = step(a, 4)
+    ca, cb = write_checkpoint(tmp_path / "A", a), write_checkpoint(tmp_path / "B", b)
+    pairs = [(ca, cb), (cb, ca), (ca, cb)]
+    ds = []
+    for i, (x, y) in enumerate(pairs, start=1):
+        diff(x, y, tmp_path / f"d{i}", base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
+        ds.append(tmp_path / f"d{i}")
+    url = str(tmp_path / "store")
+    _publish_chain(url, ds)
+    blocks = [{b.id for b in Delta.open(d).manifest.blocks} for d in ds]
+    assert blocks[0] == blocks[2] and blocks[0] & blocks[1]  # shared across live and dead versions
+    orphan = Store(url)
+    orphan.put("blocks/" + "0" * 64, b"left by a killed push")
+
+    # Default grace: fresh unreferenced blocks (the orphan, v2's own block) may belong to a push in progress.
+    young = gc(url, keep=1)
+    assert young.removed_blocks == 0 and young.young_unreferenced == 1 + len(blocks[1] - blocks[2])
+    assert (tmp_path / "store" / "blocks" / ("0" * 64)).exists()
+    result = gc(url, keep=1, grace_s=0)
+    assert result.live_versions == ["v3"] and result.dropped_versions == ["v1", "v2"]
+    stored = {p.name for p in (tmp_path / "store" / "blocks").iterdir()}
+    assert stored == blocks[2]
+    assert result.removed_blocks == len(blocks[1] - blocks[2]) + 1
+    assert pull(url, tmp_path / "p3", version="v3", repair=True).blocks == len(blocks[2])
+    with pytest.raises(DcrError, match="removed by dcr gc"):
+        pull(url, tmp_path / "p1", version="v1")
+    report = check(url, read_data=True)
+    assert report.ok and report.unavailable_versions == ["v1", "v2"] and report.blocks_read == len(blocks[2])
+    assert {e.version: e.available for e in log(url)} == {"v1": False, "v2": False, "v3": True}
+
+
+def test_corrupted_block_is_detected_at_pull(
+    s3_endpoint: S3Endpoint, s3_url: str, deltas: tuple[list[Path], list[Path]], tmp_path: Path
+) -> None:
+    _, (d1, *_) = deltas
+    opts = s3_endpoint.storage_options
+    push(d1, s3_url, storage_options=opts)
+    block = next(b for b in Delta.open(d1).manifest.blocks if b.role == "data")
+    fs = s3_endpoint.filesystem()
+    path = f"{s3_url.removeprefix('s3://')}/blocks/{block.id}"
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+    fs.pipe_file(path, bytes(data))
+
+    with pytest.raises(IntegrityError, match="corrupt on the store"):
+        pull(s3_url, tmp_path / "out", storage_options=opts)
+    assert not (tmp_path / "out").exists()
+    assert check(s3_url, storage_options=opts).ok  # sizes are right: only reading the data shows it
+    report = check(s3_url, read_data=True, storage_options=opts)
+    assert not report.ok and block.id[:16] in report.problems[0]
+    remote = open_delta(s3_url, storage_options=opts)
+    with pytest.raises(IntegrityError):
+        for item in remote.manifest.items:
+            remote.decode(item)
+
+    # A plain re-push trusts blocks that are there; --verify-remote reads them and replaces the corrupt one.
+    assert push(d1, s3_url, storage_options=opts).uploaded_blocks == 0
+    repaired = push(d1, s3_url, storage_options=opts, verify_remote=True)
+    assert repaired.already_published and repaired.uploaded_blocks == 1
+    assert check(s3_url, read_data=True, storage_options=opts).ok
+    # A lost block is restored by a plain re-push.
+    fs.rm_file(path)
+    assert check(s3_url, storage_options=opts).problems
+    assert push(d1, s3_url, storage_options=opts).uploaded_blocks == 1
+    assert pull(s3_url, tmp_path / "out", storage_options=opts).version == "v1"
+    assert Delta.open(tmp_path / "out").id == Delta.open(d1).id
+
+
+def test_labels_are_validated(tmp_path: Path, deltas: tuple[list[Path], list[Path]]) -> None:
+    url = str(tmp_path / "store")
+    _, (d1, *_) = deltas
+    push(d1, url)
+    for bad in ("../v1", "a/b", "", ".hidden", "x" * 200):
+        with pytest.raises(DcrError, match="not a valid label"):
+            acknowledge(url, "v1", bad)
+    with pytest.raises(DcrError, match="not a valid label"):
+        pull(url, tmp_path / "o", version="../../etc")
+
+
+def test_racing_pushes_meet_at_the_create_only_record(s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path) -> None:
+    """Both pushers pass every earlier check; they meet at the record's create-only write, and one loses."""
+    from safetensors.numpy import load_file
+    from store_fixtures import step, write_checkpoint
+
+    from dcr_cli.diff import diff
+
+    ckpts, (d1,) = make_deltas(tmp_path, 1)
+    rival = write_checkpoint(tmp_path / "rival", step(load_file(str(ckpts[0] / "model.safetensors")), 5))
+    diff(ckpts[0], rival, tmp_path / "rival-d1", base_version="v0", target_version="v1", workers=1)
+    candidates = [d1, tmp_path / "rival-d1"]
+    barrier = threading.Barrier(2, timeout=60)
+    outcomes: dict[int, object] = {}
+
+    def pusher(i: int) -> None:
+        delta = Delta.open(candidates[i])
+        total = sum(b.size for b in {b.id: b for b in delta.manifest.blocks}.values())
+        done = [0]
+        lock = threading.Lock()
+
+        def progress(n: int) -> None:  # the last upload waits for the rival's: both then publish at once
+            with lock:
+                done[0] += n
+                last = done[0] == total
+            if last:
+                barrier.wait()
+
+        try:
+            outcomes[i] = push(candidates[i], s3_url, storage_options=s3_endpoint.storage_options, progress=progress)
+        except ConflictError as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=pusher, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [o for o in outcomes.values() if isinstance(o, ConflictError)]
+    assert len(errors) == 1 and "lost the race" in str(errors[0])
+    winner = next(i for i, o in outcomes.items() if not isinstance(o, ConflictError))
+    assert (
+        Store(s3_url, s3_endpoint.storage_options).require_version("v1").manifest == Delta.open(candidates[winner]).id
+    )
+
+
+def test_hint_and_records_are_not_trusted_blindly(deltas: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
+    from dcr_cli.errors import FormatError
+
+    _, ds = deltas
+    url = str(tmp_path / "store")
+    _publish_chain(url, ds[:2])
+    store = Store(url)
+    store.put("latest.json", b'{"version": "v1", "fingerprint": "0"}')  # stale hint
+    state = status(url)
+    assert state["head"]["version"] == "v2" and state["latest_hint_stale"]
+    store.put("latest.json", b"garbage")
+    assert status(url)["head"]["version"] == "v2"
+
+    record = store.require_version("v2")
+    store.put(f"manifests/{record.manifest}.json", b"{}")  # tampered manifest
+    with pytest.raises(IntegrityError, match="corrupt"):
+        pull(url, tmp_path / "out", version="v2")
+    assert not (tmp_path / "out").exists()
+
+    marker = store.read("dcr-store.json").replace(b'"format_version": [\n  1,', b'"format_version": [\n  2,')
+    assert marker != store.read("dcr-store.json")
+    store.put("dcr-store.json", marker)
+    with pytest.raises(FormatError, match="upgrade dcr"):
+        status(url)
