@@ -20,9 +20,9 @@ def main() -> None:
 
 
 def _register() -> None:
-    from . import diff_cmd, inspect_cmd
+    from . import apply_cmd, diff_cmd, inspect_cmd, verify_cmd
 
-    for module in (diff_cmd, inspect_cmd):
+    for module in (diff_cmd, inspect_cmd, apply_cmd, verify_cmd):
         main.add_command(module.command)
 
 
