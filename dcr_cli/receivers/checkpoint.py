@@ -23,8 +23,11 @@ import fcntl
 import json
 import mmap
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,7 @@ import numpy as np
 
 from ..delta.reader import Delta
 from ..delta.writer import fsync_dir, write_atomic
-from ..diff import default_workers, ordered_parallel
+from ..diff import default_workers
 from ..errors import ConflictError, FormatError, IncompatibleError, IntegrityError
 from ..format.codec import apply_values
 from ..format.digest import digest_bytes
@@ -500,6 +503,40 @@ def _table_for(fp: str, deltas: list[Delta]) -> dict[str, TensorEntry] | None:
     return next((d.manifest.tensors for d in deltas if d.manifest.target.fingerprint == fp), None)
 
 
+def _run_items(
+    delta: Delta, views: dict[str, np.ndarray], locations: dict[str, TensorLocation], workers: int
+) -> Iterator[tuple[str, int]]:
+    """Apply items on a thread pool, at most 2 x workers in flight (bounded memory).
+
+    On the first failure, items not yet started are cancelled, so a failed
+    write stops the apply promptly instead of running on into more writes.
+    """
+    pool = ThreadPoolExecutor(max_workers=workers)
+    window: deque[tuple[Future[str], int]] = deque()
+    failed = threading.Event()
+
+    def run(item: Item) -> str:
+        if failed.is_set():
+            return "cancelled"
+        try:
+            return apply_item(delta, item, views[item.tensor], locations[item.tensor].shape)
+        except BaseException:
+            failed.set()
+            raise
+
+    try:
+        for item in delta.manifest.items:
+            window.append((pool.submit(run, item), item.count))
+            while len(window) >= 2 * workers:
+                future, count = window.popleft()
+                yield future.result(), count
+        while window:
+            future, count = window.popleft()
+            yield future.result(), count
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _ref(ref: VersionRef) -> dict[str, str]:
     return {"version": ref.version, "fingerprint": ref.fingerprint}
 
@@ -519,17 +556,9 @@ def _apply_one(
     maps = WritableTensors(locations)
     counts = ItemCounts()
     try:
-
-        def task(item: Item) -> Callable[[], tuple[str, int]]:
-            def run() -> tuple[str, int]:
-                return apply_item(delta, item, maps.view(item.tensor), locations[item.tensor].shape), item.count
-
-            return run
-
         # Views are created up front, in this thread, so workers never race to open a map.
-        for name in {it.tensor for it in m.items}:
-            maps.view(name)
-        for kind, elements in ordered_parallel((task(it) for it in m.items), workers):
+        views = {name: maps.view(name) for name in {it.tensor for it in m.items}}
+        for kind, elements in _run_items(delta, views, locations, workers):
             counts.add(kind, elements)
         maps.sync()
     except OSError as exc:
