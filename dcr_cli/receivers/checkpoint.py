@@ -37,7 +37,7 @@ import numpy as np
 from ..delta.reader import Delta
 from ..delta.writer import fsync_dir, write_atomic
 from ..diff import default_workers
-from ..errors import ConflictError, FormatError, IncompatibleError, IntegrityError
+from ..errors import ConflictError, FormatError, IncompatibleError, IntegrityError, VerifyFailed
 from ..format.codec import apply_values
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
@@ -454,40 +454,39 @@ def apply(
                 write_state(root, ReceiverState(start_version, start_fp, None, file_stats(root, ckpt)))
             message = f"{root}: already at version {start_version}; nothing to apply"
             say(message)
-            return ApplyResult(str(root), start_version, start_fp, [], [d.url for d in behind], message)
+            result = ApplyResult(str(root), start_version, start_fp, [], [d.url for d in behind], message)
+        else:
+            # Everything that can fail on bad input fails here, before the first write.
+            for d in plan:
+                check_delta(d)
+                check_layout(d, ckpt, root)
+            ckpt.close()
 
-        # Everything that can fail on bad input fails here, before the first write.
-        for d in plan:
-            check_delta(d)
-            check_layout(d, ckpt, root)
-        ckpt.close()
-
-        steps: list[StepResult] = []
-        for d in plan:
-            steps.append(_apply_one(root, d, ckpt.tensors, workers, resumed=d is resume))
-            step = steps[-1]
-            say(
-                f"{root}: {step.status} {step.base_version} -> {step.target_version}: "
-                f"{step.applied} items applied, {step.repaired} repaired, {step.done} already done "
-                f"({step.changed_elements:,} elements, {step.seconds:.2f}s)"
+            steps: list[StepResult] = []
+            for d in plan:
+                steps.append(_apply_one(root, d, ckpt.tensors, workers, resumed=d is resume))
+                step = steps[-1]
+                say(
+                    f"{root}: {step.status} {step.base_version} -> {step.target_version}: "
+                    f"{step.applied} items applied, {step.repaired} repaired, {step.done} already done "
+                    f"({step.changed_elements:,} elements, {step.seconds:.2f}s)"
+                )
+            final = plan[-1].manifest.target
+            result = ApplyResult(
+                str(root),
+                final.version,
+                final.fingerprint,
+                steps,
+                [d.url for d in behind],
+                f"{root}: now at version {final.version}",
             )
-        final = plan[-1].manifest.target
-        result = ApplyResult(
-            str(root),
-            final.version,
-            final.fingerprint,
-            steps,
-            [d.url for d in behind],
-            f"{root}: now at version {final.version}",
-        )
-    if verify:
-        from .verify import verify as verify_checkpoint
+        if verify:  # still under the lock: nobody can change the files between apply and verify
+            from .verify import verify as verify_checkpoint
 
-        report = verify_checkpoint(root, against=plan[-1].url, workers=workers)
-        if not report.ok:
-            from ..errors import VerifyFailed
-
-            raise VerifyFailed(report.summary())
+            report = verify_checkpoint(root, against=plan[-1].url if plan else None, workers=workers)
+            if not report.ok:
+                raise VerifyFailed(report.summary())
+            say(report.summary())
     return result
 
 

@@ -116,6 +116,11 @@ def verify(
         label = str(against)
     else:
         state = read_state(root)
+        if state is not None and state.applying is not None:
+            raise IncompatibleError(
+                f"{root} is in the middle of a dcr apply (to version {state.applying['target'].get('version')}); "
+                "re-run that dcr apply to finish it, or pass --against DELTA"
+            )
         if state is None or state.fingerprint is None:
             raise IncompatibleError(
                 f"{root} has no recorded version (no completed dcr apply); pass --against DELTA to verify it"
