@@ -36,12 +36,12 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers_checkpoints import write_checkpoint  # noqa: E402
+from helpers_checkpoints import write_checkpoint
 
-import dcr_cli  # noqa: E402
-from dcr_cli.diff import diff  # noqa: E402
-from dcr_cli.receivers import checkpoint as receiver  # noqa: E402
-from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint  # noqa: E402
+import dcr_cli
+from dcr_cli.diff import diff
+from dcr_cli.receivers import checkpoint as receiver
+from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 
 
 def model_tensors(size_mb: int, rng: np.random.Generator) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:

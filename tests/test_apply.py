@@ -526,3 +526,24 @@ def test_corrupt_state_file_is_a_clear_error(two_versions: tuple[Path, Path, Pat
     (recv / ".dcr" / "state.json").write_text("{not json")
     with pytest.raises(FormatError, match="receiver state"):
         dcr_cli.apply(delta, into=recv)
+
+
+def test_mapped_reader_sees_intact_headers_and_the_new_bits(two_versions: tuple[Path, Path, Path]) -> None:
+    """An engine that has the files memory-mapped keeps valid headers; apply rewrites no header byte."""
+    import mmap
+
+    recv, delta, v1 = two_versions
+    files = sorted(recv.glob("*.safetensors"))
+    handles = [open(p, "rb") for p in files]  # noqa: SIM115
+    try:
+        maps = [mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) for f in handles]
+        headers = [bytes(m[: 8 + int.from_bytes(m[:8], "little")]) for m in maps]
+        dcr_cli.apply(delta, into=recv)
+        for p, m, header in zip(files, maps, headers, strict=True):
+            assert bytes(m[: len(header)]) == header
+            assert bytes(m[:]) == (v1 / p.name).read_bytes()  # same page cache: the reader sees the target
+            m.close()
+    finally:
+        for f in handles:
+            f.close()
+    assert [p.stat().st_size for p in files] == [(v1 / p.name).stat().st_size for p in files]
