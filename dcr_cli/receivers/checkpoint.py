@@ -424,7 +424,12 @@ def apply(
     workers = workers or default_workers()
     say = log or (lambda _msg: None)
     opened = expand_deltas(deltas)
+    SafetensorsCheckpoint(root).close()  # a readable checkpoint (headers, names) before .dcr/ is created
     with receiver_lock(root), SafetensorsCheckpoint(root) as ckpt:
+        # v1 deltas keep the layout, so every delta given must match it; checking first names the
+        # missing or reshaped tensor instead of reporting a mere fingerprint mismatch.
+        for d in opened:
+            check_layout(d, ckpt, root)
         state = read_state(root)
         resume: Delta | None = None
         table: dict[str, TensorEntry] | None = None
@@ -459,7 +464,6 @@ def apply(
             # Everything that can fail on bad input fails here, before the first write.
             for d in plan:
                 check_delta(d)
-                check_layout(d, ckpt, root)
             ckpt.close()
 
             steps: list[StepResult] = []
