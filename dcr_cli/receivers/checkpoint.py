@@ -234,7 +234,7 @@ def apply_item(delta: Delta, item: Item, view: np.ndarray, shape: tuple[int, ...
     """
     decoded = delta.decode(item)
     index = _canonical_index(item, decoded.positions, shape)
-    current = np.array(view[index])  # a copy: the values before this item touches them
+    current = view[index].copy() if isinstance(index, slice) else view[index]  # fancy indexing copies already
     state = digest_bytes(current)
     if state == item.post:
         return "done"
@@ -430,6 +430,8 @@ def apply(
         # missing or reshaped tensor instead of reporting a mere fingerprint mismatch.
         for d in opened:
             check_layout(d, ckpt, root)
+        for stale in state_dir(root).glob(".*.tmp-*"):  # left by a writer killed mid-replace
+            stale.unlink(missing_ok=True)
         state = read_state(root)
         resume: Delta | None = None
         table: dict[str, TensorEntry] | None = None
