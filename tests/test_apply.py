@@ -543,3 +543,19 @@ def test_mapped_reader_sees_intact_headers_and_the_new_bits(two_versions: tuple[
         for f in handles:
             f.close()
     assert [p.stat().st_size for p in files] == [(v1 / p.name).stat().st_size for p in files]
+
+
+def test_older_delta_is_recognised_as_applied(tmp_path: Path) -> None:
+    """The receiver remembers the versions it passed through, so an old delta alone is a no-op, not an error."""
+    rng = np.random.default_rng(13)
+    versions = [random_tensors(rng, [("a", "F32", (64,))])]
+    for _ in range(2):
+        versions.append(mutate(rng, versions[-1], 0.2))
+    d01, d12 = make_versions(tmp_path, versions)
+    recv = copy_checkpoint(tmp_path / "v0", tmp_path / "recv")
+    dcr_cli.apply([d01, d12], into=recv)
+    before = snapshot(recv)
+    code, out, err = run_cli("apply", d01, "--into", recv)
+    assert code == 0, err
+    assert "already at version v2" in out and "applied before" in out
+    assert snapshot(recv) == before

@@ -39,7 +39,7 @@ from ..delta.writer import fsync_dir, write_atomic
 from ..diff import default_workers
 from ..errors import ConflictError, FormatError, IncompatibleError, IntegrityError, VerifyFailed
 from ..format.codec import apply_values
-from ..format.digest import digest_bytes
+from ..format.digest import digest_bytes, is_digest
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import MANIFEST_NAME, Item, TensorEntry, VersionRef, fingerprint
 from ..sources.safetensors_dir import INDEX_NAME, SafetensorsCheckpoint, TensorLocation
@@ -51,6 +51,7 @@ TABLE_NAME = "table.json"
 LOCK_NAME = "lock"
 STATE_FORMAT = "dcr.receiver-state"
 STATE_VERSION = 1
+HISTORY_LENGTH = 256
 
 DeltaLike = str | os.PathLike[str] | Delta
 
@@ -66,6 +67,7 @@ class ReceiverState:
     fingerprint: str | None
     applying: dict[str, Any] | None = None  # {delta_id, base: {version, fingerprint}, target: {...}}
     files: dict[str, list[int]] = field(default_factory=dict)  # name -> [size, mtime_ns, ctime_ns, inode]
+    history: list[str] = field(default_factory=list)  # fingerprints of earlier versions reached by dcr apply
 
     def to_json_bytes(self) -> bytes:
         obj = {"format": STATE_FORMAT, "format_version": STATE_VERSION, **asdict(self)}
@@ -95,7 +97,10 @@ def read_state(root: str | os.PathLike[str]) -> ReceiverState | None:
             isinstance(applying.get("delta_id"), str) and "fingerprint" in applying["base"]
         ):
             raise ValueError
-        return ReceiverState(obj.get("version"), obj.get("fingerprint"), applying, dict(obj.get("files") or {}))
+        history = [h for h in obj.get("history") or [] if is_digest(h)]
+        return ReceiverState(
+            obj.get("version"), obj.get("fingerprint"), applying, dict(obj.get("files") or {}), history
+        )
     except (ValueError, TypeError, AttributeError, KeyError):
         raise FormatError(f"{path} is not a dcr receiver state file; remove it to re-establish the version") from None
 
@@ -324,8 +329,14 @@ def expand_deltas(deltas: DeltaLike | Sequence[DeltaLike]) -> list[Delta]:
     return list(unique.values())
 
 
-def plan_chain(deltas: list[Delta], start_fp: str, resume: Delta | None) -> tuple[list[Delta], list[Delta]]:
-    """Order deltas by base -> target from the receiver's version. Returns (to apply, already applied)."""
+def plan_chain(
+    deltas: list[Delta], start_fp: str, resume: Delta | None, history: Sequence[str] = ()
+) -> tuple[list[Delta], list[Delta]]:
+    """Order deltas by base -> target from the receiver's version. Returns (to apply, already applied).
+
+    ``history`` holds fingerprints of versions the receiver passed through before: a delta leading to
+    one of them (or to the current version) was applied already.
+    """
     by_base: dict[str, Delta] = {}
     for d in deltas:
         if d is resume:
@@ -343,7 +354,7 @@ def plan_chain(deltas: list[Delta], start_fp: str, resume: Delta | None) -> tupl
         seen.add(fp)
         fp = by_base[fp].manifest.target.fingerprint
     # Deltas that lead up to where the receiver already is were applied before.
-    behind_fps = {resume.manifest.base.fingerprint if resume else start_fp}
+    behind_fps = {resume.manifest.base.fingerprint if resume else start_fp, *history}
     behind: list[Delta] = []
     changed = True
     while changed:
@@ -435,6 +446,7 @@ def apply(
         state = read_state(root)
         resume: Delta | None = None
         table: dict[str, TensorEntry] | None = None
+        history: list[str] = list(state.history) if state is not None else []
         if state is not None and state.applying is not None:
             resume = next((d for d in opened if d.id == state.applying["delta_id"]), None)
             if resume is None:
@@ -451,15 +463,18 @@ def apply(
         else:
             if state is not None:
                 say(f"{root}: files changed since dcr last recorded a version; re-hashing")
+            history = []  # whatever wrote the files, dcr's record of earlier versions no longer holds
             table = digest_tensors(ckpt, workers)
             start_fp = fingerprint(table)
             start_version = _label(start_fp, opened)
-        plan, behind = plan_chain(opened, start_fp, resume)
+        plan, behind = plan_chain(opened, start_fp, resume, history)
         if not plan:
             if state is None or state.fingerprint != start_fp or state.files != file_stats(root, ckpt):
                 write_recorded_table(root, table or _table_for(start_fp, opened) or digest_tensors(ckpt, workers))
-                write_state(root, ReceiverState(start_version, start_fp, None, file_stats(root, ckpt)))
+                write_state(root, ReceiverState(start_version, start_fp, None, file_stats(root, ckpt), history))
             message = f"{root}: already at version {start_version}; nothing to apply"
+            if behind:
+                message += f" ({', '.join(d.url for d in behind)} applied before)"
             say(message)
             result = ApplyResult(str(root), start_version, start_fp, [], [d.url for d in behind], message)
         else:
@@ -470,7 +485,7 @@ def apply(
 
             steps: list[StepResult] = []
             for d in plan:
-                steps.append(_apply_one(root, d, ckpt.tensors, workers, resumed=d is resume))
+                steps.append(_apply_one(root, d, ckpt.tensors, workers, history, resumed=d is resume))
                 step = steps[-1]
                 say(
                     f"{root}: {step.status} {step.base_version} -> {step.target_version}: "
@@ -547,15 +562,26 @@ def _ref(ref: VersionRef) -> dict[str, str]:
 
 
 def _apply_one(
-    root: Path, delta: Delta, locations: dict[str, TensorLocation], workers: int, *, resumed: bool
+    root: Path,
+    delta: Delta,
+    locations: dict[str, TensorLocation],
+    workers: int,
+    history: list[str],
+    *,
+    resumed: bool,
 ) -> StepResult:
+    """Apply one delta (state -> applying, items, fsync, table, state -> target). Appends to ``history``."""
     m = delta.manifest
     started = time.perf_counter()
     # From here on the files may be between versions; the state says which delta is in flight.
     write_state(
         root,
         ReceiverState(
-            None, None, {"delta_id": delta.id, "base": _ref(m.base), "target": _ref(m.target), "url": delta.url}
+            None,
+            None,
+            {"delta_id": delta.id, "base": _ref(m.base), "target": _ref(m.target), "url": delta.url},
+            {},
+            history,
         ),
     )
     maps = WritableTensors(locations)
@@ -575,7 +601,8 @@ def _apply_one(
     with SafetensorsCheckpoint(root) as ckpt:
         stats = file_stats(root, ckpt)
     write_recorded_table(root, m.tensors)
-    write_state(root, ReceiverState(m.target.version, m.target.fingerprint, None, stats))
+    history[:] = [*(h for h in history if h != m.base.fingerprint), m.base.fingerprint][-HISTORY_LENGTH:]
+    write_state(root, ReceiverState(m.target.version, m.target.fingerprint, None, stats, history))
     return StepResult(
         delta=delta.url,
         delta_id=delta.id,
