@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -559,3 +560,30 @@ def test_older_delta_is_recognised_as_applied(tmp_path: Path) -> None:
     assert code == 0, err
     assert "already at version v2" in out and "applied before" in out
     assert snapshot(recv) == before
+
+
+def test_real_enospc_on_a_full_filesystem_then_rerun(two_versions: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """A genuinely full file system (a small tmpfs): one-line error, nothing claimed, re-run finishes."""
+    import subprocess
+
+    _, delta, v1 = two_versions
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs (the injected-ENOSPC tests above run everywhere)")
+    try:
+        recv = copy_checkpoint(tmp_path / "v0", mnt / "recv")
+        with open(mnt / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):  # fill every free block
+            while True:
+                f.write(b"\0" * 4096)
+        code, _, err = run_cli("apply", delta, "--into", recv)
+        assert code == 2 and "No space left on device" in err and "re-run the same dcr apply" in err
+        assert len(err.strip().splitlines()) == 1
+        assert read_state(recv) is None or read_state(recv).version is None  # v1 is not claimed
+        (mnt / "filler").unlink()
+        code, _, err = run_cli("apply", delta, "--into", recv)
+        assert code == 0, err
+        assert read_raw(recv) == read_raw(v1)
+        assert not list((recv / ".dcr").glob(".*.tmp-*"))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -107,14 +107,27 @@ def read_state(root: str | os.PathLike[str]) -> ReceiverState | None:
 
 def write_state(root: Path, state: ReceiverState) -> None:
     """Replace the state file atomically and durably: temp file, fsync, rename, fsync dir."""
-    write_atomic(state_dir(root) / STATE_NAME, state.to_json_bytes())
-    fsync_dir(state_dir(root))
+    path = state_dir(root) / STATE_NAME
+    with _explain_enospc(path):
+        write_atomic(path, state.to_json_bytes())
+        fsync_dir(state_dir(root))
+
+
+@contextlib.contextmanager
+def _explain_enospc(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise OSError(exc.errno, f"{exc.strerror}; free space and re-run the same dcr apply", str(path)) from exc
 
 
 def write_recorded_table(root: Path, table: dict[str, TensorEntry]) -> None:
     """Keep the tensor table of the version reached, so ``dcr verify`` can name tensors without the delta."""
     obj = {"fingerprint": fingerprint(table), "tensors": {n: t.to_json() for n, t in sorted(table.items())}}
-    write_atomic(state_dir(root) / TABLE_NAME, json.dumps(obj, separators=(",", ":")).encode())
+    with _explain_enospc(state_dir(root) / TABLE_NAME):
+        write_atomic(state_dir(root) / TABLE_NAME, json.dumps(obj, separators=(",", ":")).encode())
 
 
 def read_recorded_table(root: str | os.PathLike[str], expected_fingerprint: str) -> dict[str, TensorEntry] | None:
@@ -587,15 +600,12 @@ def _apply_one(
     maps = WritableTensors(locations)
     counts = ItemCounts()
     try:
-        # Views are created up front, in this thread, so workers never race to open a map.
-        views = {name: maps.view(name) for name in {it.tensor for it in m.items}}
-        for kind, elements in _run_items(delta, views, locations, workers):
-            counts.add(kind, elements)
-        maps.sync()
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise OSError(exc.errno, f"{exc.strerror}; free space and re-run the same dcr apply", exc.filename) from exc
-        raise
+        with _explain_enospc(root):
+            # Views are created up front, in this thread, so workers never race to open a map.
+            views = {name: maps.view(name) for name in {it.tensor for it in m.items}}
+            for kind, elements in _run_items(delta, views, locations, workers):
+                counts.add(kind, elements)
+            maps.sync()
     finally:
         maps.close()
     with SafetensorsCheckpoint(root) as ckpt:
