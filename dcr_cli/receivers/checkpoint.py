@@ -2,8 +2,9 @@
 
 Normative text: format_spec/receiver-checkpoint.md. In short:
 
-* All checks run before the first byte is written: the delta's manifest and
-  data blocks, the receiver's version (its base), the tensor layout, file names.
+* All checks run before the first byte is written: manifests, file names,
+  the tensor layout, the receiver's version (the delta's base), the target
+  table and every data block's digest.
 * The receiver's version lives in ``CKPT/.dcr/state.json``, replaced
   atomically; while a delta is being applied it says so ("applying X -> Y").
 * An exclusive ``flock`` on ``CKPT/.dcr/lock`` keeps two appliers apart.
