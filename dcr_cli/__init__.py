@@ -1,15 +1,37 @@
-"""dcr: bit-exact, delta-compressed weight refit for reinforcement learning."""
+"""dcr: bit-exact, delta-compressed weight refit for reinforcement learning.
+
+The Python API mirrors the command line; every name below is imported on first use, so that
+``import dcr_cli`` (and ``dcr --help``) stays light.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
+_API = {
+    # receivers
+    "apply": "receivers.checkpoint",
+    "verify": "receivers.verify",
+    # store
+    "push": "store",
+    "pull": "store",
+    "pull_since": "store",
+    "commit": "store",
+    "acknowledge": "store",
+    "status": "store",
+    "log": "store",
+    "gc": "store",
+    "check": "store",
+    "open_delta": "store",
+}
+
+__all__ = sorted(_API)
+
 
 def __getattr__(name: str) -> object:
-    # Store API, imported on first use so that `import dcr_cli` stays light.
-    if name in _STORE_API:
-        from . import store
-
-        return getattr(store, name)
-    raise AttributeError(f"module 'dcr_cli' has no attribute {name!r}")
-
-
-_STORE_API = ("push", "pull", "pull_since", "commit", "acknowledge", "status", "log", "gc", "check", "open_delta")
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcr_cli' has no attribute {name!r}")
+    return getattr(import_module(f".{module}", __name__), name)

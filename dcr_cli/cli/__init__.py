@@ -15,16 +15,40 @@ from .. import __version__
 def main() -> None:
     """Bit-exact, delta-compressed weight refit for RL.
 
-    Exit codes: 0 ok, 1 verification mismatch, 2 bad input, 3 conflict.
+    Exit codes: 0 ok, 1 verification mismatch, 2 bad input, 3 conflict, 4 not ready yet.
     """
 
 
 def _register() -> None:
-    from . import ack_cmd, check_cmd, commit_cmd, diff_cmd, gc_cmd, inspect_cmd, log_cmd, pull_cmd, push_cmd, status_cmd
+    from . import (
+        ack_cmd,
+        apply_cmd,
+        check_cmd,
+        commit_cmd,
+        diff_cmd,
+        gc_cmd,
+        inspect_cmd,
+        log_cmd,
+        pull_cmd,
+        push_cmd,
+        status_cmd,
+        verify_cmd,
+    )
 
-    for module in (diff_cmd, inspect_cmd):
-        main.add_command(module.command)
-    for module in (push_cmd, pull_cmd, ack_cmd, commit_cmd, status_cmd, log_cmd, gc_cmd, check_cmd):
+    for module in (
+        diff_cmd,
+        inspect_cmd,
+        apply_cmd,
+        verify_cmd,
+        push_cmd,
+        pull_cmd,
+        ack_cmd,
+        commit_cmd,
+        status_cmd,
+        log_cmd,
+        gc_cmd,
+        check_cmd,
+    ):
         main.add_command(module.command)
 
 
