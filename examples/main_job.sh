@@ -16,11 +16,31 @@ mkdir -p "$WORK"
 echo "== train: $STEPS AdamW steps of a tiny Qwen3, BF16 checkpoint after each"
 python examples/train_tiny.py "$WORK/trainer" --steps "$STEPS"
 
+STORE="$WORK/store"          # any fsspec URL works here: s3://bucket/run, gs://..., memory://...
+RECEIVER="$WORK/rollout"      # the rollout node's local checkpoint, at step 0 like the trainer
+cp -r "$WORK/trainer/step-0" "$RECEIVER"
+
 for step in $(seq 1 "$STEPS"); do
   prev=$((step - 1))
-  echo "== step $step: diff step-$prev -> step-$step"
+  echo "== trainer, step $step: diff against the committed base, push"
+  base=$(dcr status "$STORE" --json 2>/dev/null | python -c 'import json,sys; print(json.load(sys.stdin).get("diff_base",{}).get("version") or "")' || true)
+  echo "   committed base on the store: ${base:-none yet (first push creates the store)}"
   dcr diff "$WORK/trainer/step-$prev" "$WORK/trainer/step-$step" -o "$WORK/deltas/step-$step" \
     --base-version "step-$prev" --target-version "step-$step"
   dcr inspect "$WORK/deltas/step-$step"
+  dcr push "$WORK/deltas/step-$step" "$STORE"
+
+  echo "== rollout node: pull, apply in place, verify, acknowledge"
+  dcr pull "$STORE" --version "step-$step" -o "$WORK/pulled/step-$step"
+  dcr apply "$WORK/pulled/step-$step" --into "$RECEIVER" --ack "$STORE" --receiver rollout-0
+  dcr verify "$RECEIVER" --against "$WORK/pulled/step-$step"
+
+  echo "== trainer: commit step $step once the receiver has acknowledged it"
+  dcr commit "$STORE" "step-$step" --receiver rollout-0
 done
-echo "== done: deltas in $WORK/deltas"
+
+echo "== the store's history"
+dcr log "$STORE"
+# An independent check besides dcr verify's digests: the files are byte-identical to the trainer's.
+cmp "$RECEIVER/model.safetensors" "$WORK/trainer/step-$STEPS/model.safetensors"
+echo "== done: $RECEIVER holds exactly the bits of $WORK/trainer/step-$STEPS"
