@@ -20,9 +20,9 @@ def main() -> None:
 
 
 def _register() -> None:
-    from . import diff_cmd, inspect_cmd
+    from . import assemble_cmd, diff_cmd, inspect_cmd
 
-    for module in (diff_cmd, inspect_cmd):
+    for module in (diff_cmd, inspect_cmd, assemble_cmd):
         main.add_command(module.command)
 
 
