@@ -142,8 +142,15 @@ def diff_shard_checkpoints(
             t = n.canonical[name]
             if t.residual is not None:
                 return residual_items(name)
-            bcache, ncache = ChunkCache(b.reader), ChunkCache(n.reader)
             bd, nd = StreamingDigest(), StreamingDigest()
+            runs = n.row_runs(name)
+            if runs is not None:  # row-sharded: stream zero-copy chunk views, nothing assembled
+                for key, chunk, slices in runs:
+                    bd.update(np.ascontiguousarray(b.reader.read_chunk(key, base_chunks[(key, chunk.offsets)])[slices]))
+                    nd.update(np.ascontiguousarray(n.reader.read_chunk(key, chunk)[slices]))
+                base_digests[name], new_digests[name] = bd.hexdigest(), nd.hexdigest()
+                return []
+            bcache, ncache = ChunkCache(b.reader), ChunkCache(n.reader)
             for rows in n.band_rows(name, BAND_BYTES):
                 bd.update(b.assemble(name, rows, bcache))
                 nd.update(n.assemble(name, rows, ncache))

@@ -79,7 +79,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, vocab: int, hidden:
         dcp.save(sd, checkpoint_id=f"{out}/{tag}/dcp")
         dcp.save(
             sd,
-            storage_writer=HuggingFaceStorageWriter(f"{out}/{tag}/hf", save_distributed=True, enable_consolidation=True),
+            storage_writer=HuggingFaceStorageWriter(
+                f"{out}/{tag}/hf", save_distributed=True, enable_consolidation=True
+            ),
         )
 
     save("base")
@@ -163,21 +165,21 @@ def megatron_local_boxes(key: str, shape: tuple[int, ...], cfg: dict, rank: int,
     body = shape[1:] if layered else shape
     boxes: list[tuple[list, list]] = []
 
-    def split(axis: int, parts: int, index: int, frag: tuple[int, int] | None = None) -> tuple[list, list]:
+    def split(axis: int, parts: int, index: int) -> tuple[list, list]:
         off, size = [0] * len(body), list(body)
         n = body[axis] // parts
         off[axis], size[axis] = index * n, n
         return off, size
 
     for layer in range(n_layers):
-        if key.endswith("linear_qkv.weight") or key.endswith("linear_fc1.weight") and "experts" not in key:
+        if key.endswith("linear_qkv.weight") or (key.endswith("linear_fc1.weight") and "experts" not in key):
             if key.endswith("linear_fc1.weight"):
                 f = body[0] // 2  # [gate ; up]: this rank's gate rows and its up rows
                 n = f // tp
                 local = [([rank * n, 0], [n, body[1]]), ([f + rank * n, 0], [n, body[1]])]
             else:
                 local = [split(0, tp, rank)]
-        elif key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight") and "experts" not in key:
+        elif key.endswith("linear_proj.weight") or (key.endswith("linear_fc2.weight") and "experts" not in key):
             local = [split(1, tp, rank)]
         elif key.startswith("embedding.") or key.startswith("output_layer."):
             local = [split(0, tp, rank)]
@@ -277,7 +279,9 @@ def megatron_to_hf(t: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Ten
                 gate, up = t["decoder.layers.mlp.experts.linear_fc1.weight"][i, e].chunk(2)
                 out[p + f"mlp.experts.{e}.gate_proj.weight"] = w(gate)
                 out[p + f"mlp.experts.{e}.up_proj.weight"] = w(up)
-                out[p + f"mlp.experts.{e}.down_proj.weight"] = w(t["decoder.layers.mlp.experts.linear_fc2.weight"][i, e])
+                out[p + f"mlp.experts.{e}.down_proj.weight"] = w(
+                    t["decoder.layers.mlp.experts.linear_fc2.weight"][i, e]
+                )
         else:
             out[p + "post_attention_layernorm.weight"] = norm(t["decoder.layers.mlp.linear_fc1.layer_norm_weight"][i])
             gate, up = t["decoder.layers.mlp.linear_fc1.weight"][i].chunk(2)

@@ -103,8 +103,15 @@ def test_assemble_refuses_missing_parts(fsdp: Path, tmp_path: Path) -> None:
 def test_mixed_or_forced_wrong_formats_fail_closed(fsdp: Path, tmp_path: Path) -> None:
     with pytest.raises(IncompatibleError, match="different formats"):
         diff(fsdp / "base" / "dcp", fsdp / "target" / "hf", tmp_path / "x")
-    r = run_cli("diff", str(fsdp / "base" / "dcp"), str(fsdp / "target" / "dcp"), "-o", str(tmp_path / "y"),
-                "--format", "dcp-hf")
+    r = run_cli(
+        "diff",
+        str(fsdp / "base" / "dcp"),
+        str(fsdp / "target" / "dcp"),
+        "-o",
+        str(tmp_path / "y"),
+        "--format",
+        "dcp-hf",
+    )
     assert r.returncode == 2 and r.stderr.startswith("dcr: error:")
     assert not (tmp_path / "y").exists()
 

@@ -43,7 +43,7 @@ def _env_int(name: str) -> int | None:
 @click.option(
     "--profile",
     type=click.Path(exists=True),
-    help="Megatron: the HF config.json (or its directory) of the model, with optional \"megatron\" options.",
+    help='Megatron: the HF config.json (or its directory) of the model, with optional "megatron" options.',
 )
 @click.option("--rank", type=click.IntRange(min=0), help="This producer's rank (default: $RANK under torchrun).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Producers in all (default: $WORLD_SIZE).")

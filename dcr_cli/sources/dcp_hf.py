@@ -8,6 +8,7 @@ boxes (which ``_check_cover`` then proves complete). No pickle is involved.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -92,8 +93,6 @@ class DcpHfReader(ShardReader):
 
     def close(self) -> None:
         for m in self._maps.values():
-            try:
+            with contextlib.suppress(BufferError):  # a view is still alive; it closes when collected
                 m.close()
-            except BufferError:
-                pass
         self._maps.clear()

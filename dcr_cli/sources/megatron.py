@@ -97,7 +97,7 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
         vocab = int(config["vocab_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise IncompatibleError(f"Megatron profile lacks a model dimension: {exc}") from None
-    hf_dtype = _HF_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or ""), None)
+    hf_dtype = _HF_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or ""))
     tied = bool(config.get("tie_word_embeddings", False))
     experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     heads_per_group = heads // groups
@@ -122,6 +122,9 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
         if norm and zero_centered:
             reasons.append("zero-centred norm +1")
         residual = ", ".join(reasons) or None
+        if residual:
+            check_dtype_support(src)
+            check_dtype_support(dst)
         convert = _cast(src, dst, norm and zero_centered) if residual else None
         out[name] = CanonicalTensor(name, dst, shape, segments, residual, convert, src if residual else None)
 

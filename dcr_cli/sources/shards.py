@@ -94,7 +94,9 @@ class ShardReader:
         return None
 
 
-def intersect(a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]) -> Box | None:
+def intersect(
+    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]
+) -> Box | None:
     lo = tuple(max(x, y) for x, y in zip(a_off, b_off, strict=True))
     hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size, strict=True))
     if any(h <= low for low, h in zip(lo, hi, strict=True)):
@@ -184,7 +186,9 @@ class ShardCheckpoint:
         """The duplicate stored tensor ``key`` read as if it were canonical ``name`` (for the equality check)."""
         t = self.canonical[name]
         zero = (0,) * len(t.shape)
-        return CanonicalTensor(name, t.dtype, t.shape, [Segment(key, zero, t.shape, name, zero)], source_dtype=t.source_dtype)
+        return CanonicalTensor(
+            name, t.dtype, t.shape, [Segment(key, zero, t.shape, name, zero)], source_dtype=t.source_dtype
+        )
 
     def residual_reasons(self) -> dict[str, str]:
         out = {n: t.residual for n, t in self.canonical.items() if t.residual}
@@ -226,6 +230,41 @@ class ShardCheckpoint:
         step = max(1, max_bytes // row_bytes)
         return [(r, min(r + step, t.shape[0])) for r in range(0, t.shape[0], step)] or [(0, 0)]
 
+    def row_runs(self, name: str) -> list[tuple[str, Chunk, tuple[slice, ...]]] | None:
+        """The tensor as contiguous runs of chunk rows, in canonical C order, when it has that shape.
+
+        True for row-sharded tensors (FSDP Shard(0), column parallel, stacked
+        layers, per-group row blocks): the digest then streams over zero-copy
+        chunk views with no assembly. None when a chunk splits a row (Shard(1)).
+        """
+        t = self.canonical[name]
+        if not t.shape:
+            return None
+        runs: list[tuple[int, int, str, Chunk, tuple[slice, ...]]] = []
+        for seg in t.segments:
+            dropped = len(seg.offsets) - len(t.shape)
+            if tuple(seg.sizes[dropped + 1 :]) != tuple(t.shape[1:]):
+                return None
+            for chunk in self.reader.stored[seg.key].chunks:
+                hit = intersect(chunk.offsets, chunk.sizes, seg.offsets, seg.sizes) if chunk.numel else None
+                if hit is None:
+                    continue
+                lo, sizes = hit
+                if sizes[dropped + 1 :] != tuple(chunk.sizes[dropped + 1 :]):
+                    return None  # the chunk holds part of each row
+                row0 = seg.canonical_offsets[0] + lo[dropped] - seg.offsets[dropped]
+                slices = tuple(slice(x - o, x - o + n) for x, o, n in zip(lo, chunk.offsets, sizes, strict=True))
+                runs.append((row0, row0 + sizes[dropped], seg.key, chunk, slices))
+        runs.sort(key=lambda r: r[0])
+        pos = 0
+        for r0, r1, *_ in runs:
+            if r0 != pos:
+                return None
+            pos = r1
+        if pos != t.shape[0]:
+            return None
+        return [(key, chunk, slices) for _, _, key, chunk, slices in runs]
+
     def assemble(
         self, name: str | CanonicalTensor, rows: tuple[int, int] | None = None, cache: ChunkCache | None = None
     ) -> np.ndarray:
@@ -262,8 +301,7 @@ class ShardCheckpoint:
                 data = cache.get(seg.key, chunk)
                 src = data[tuple(slice(x - o, x - o + s) for x, o, s in zip(g_lo, chunk.offsets, g_sizes, strict=True))]
                 dst_lo = tuple(
-                    c + (x - s) - b
-                    for c, x, s, b in zip(c_lo, g_lo[dropped:], s_lo[dropped:], band_off, strict=True)
+                    c + (x - s) - b for c, x, s, b in zip(c_lo, g_lo[dropped:], s_lo[dropped:], band_off, strict=True)
                 )
                 dst = tuple(slice(d, d + s) for d, s in zip(dst_lo, g_sizes[dropped:], strict=True))
                 out[dst] = src.reshape(g_sizes[dropped:])
@@ -312,4 +350,6 @@ def check_chunks_disjoint(key: str, chunks: list[Chunk], shape: tuple[int, ...],
     for c in live:
         for o, s, d in zip(c.offsets, c.sizes, shape, strict=True):
             if o < 0 or o + s > d:
-                raise FormatError(f"{where}: chunk {list(c.offsets)}+{list(c.sizes)} of {key} lies outside {list(shape)}")
+                raise FormatError(
+                    f"{where}: chunk {list(c.offsets)}+{list(c.sizes)} of {key} lies outside {list(shape)}"
+                )
