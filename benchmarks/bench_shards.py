@@ -89,7 +89,10 @@ _HWM = (
     "    sys.stderr.write(f'\\nVMHWM_KB {hwm}\\n')\n"
     "atexit.register(report)\n"
     "sys.argv = sys.argv[1:]\n"
-    "runpy.run_module(sys.argv[0], run_name='__main__') if sys.argv else None\n"
+    "if sys.argv == ['--import-only']:\n"
+    "    import torch.distributed.checkpoint, dcr_cli.shard_diff, dcr_cli.sources.dcp\n"
+    "else:\n"
+    "    runpy.run_module(sys.argv[0], run_name='__main__')\n"
 )
 
 
@@ -143,7 +146,7 @@ def main() -> None:
         print(f"  {k:4s} diff: best {best[k]:.2f}s, median {med:.2f}s of {args.repeat}  ({gbps[k]:.3f} GB/s best)")
     print(f"  ratio dcp/hf throughput: {gbps['dcp'] / gbps['hf']:.2f}x  (target >= 0.9x)")
 
-    idle, _ = peak_rss_of(["dcr_cli.sources.dcp"])  # imports torch and dcr, diffs nothing
+    idle, _ = peak_rss_of(["--import-only"])  # imports torch and dcr, diffs nothing
     print(
         f"peak RSS per producer process (import-only process: {idle / 2**20:.0f} MiB;"
         f" largest shard file {shard_bytes / 2**20:.0f} MiB; model {model_bytes / 2**20:.0f} MiB):"

@@ -131,8 +131,11 @@ def diff_shard_checkpoints(
                     )
                     if item is not None:
                         items.append(item)
+            del barr, narr
+            b.reader.release(key, bc)
+            n.reader.release(key, nc)
             if progress:
-                progress(narr.nbytes)
+                progress(nc.numel * itemsize)
             return items
 
         return run
@@ -146,14 +149,19 @@ def diff_shard_checkpoints(
             runs = n.row_runs(name)
             if runs is not None:  # row-sharded: stream zero-copy chunk views, nothing assembled
                 for key, chunk, slices in runs:
-                    bd.update(np.ascontiguousarray(b.reader.read_chunk(key, base_chunks[(key, chunk.offsets)])[slices]))
+                    bchunk = base_chunks[(key, chunk.offsets)]
+                    bd.update(np.ascontiguousarray(b.reader.read_chunk(key, bchunk)[slices]))
                     nd.update(np.ascontiguousarray(n.reader.read_chunk(key, chunk)[slices]))
+                    b.reader.release(key, bchunk)
+                    n.reader.release(key, chunk)
                 base_digests[name], new_digests[name] = bd.hexdigest(), nd.hexdigest()
                 return []
             bcache, ncache = ChunkCache(b.reader), ChunkCache(n.reader)
             for rows in n.band_rows(name, BAND_BYTES):
                 bd.update(b.assemble(name, rows, bcache))
                 nd.update(n.assemble(name, rows, ncache))
+            bcache.clear()
+            ncache.clear()
             base_digests[name], new_digests[name] = bd.hexdigest(), nd.hexdigest()
             return []
 

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import dtype as lookup_dtype
 from .safetensors_dir import safe_child
-from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint
+from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint, release_pages
 
 METADATA_NAME = ".metadata"
 
@@ -220,6 +220,12 @@ class DcpReader(ShardReader):
         if data is not None:
             return np.frombuffer(m, dtype=dt.uint, count=chunk.numel, offset=data).reshape(chunk.sizes)
         return self._load_chunk(key, chunk)
+
+    def release(self, key: str, chunk: Chunk) -> None:
+        m = self._maps.get(chunk.file)
+        if m is not None:
+            offset, length = chunk.location  # type: ignore[misc]
+            release_pages(m, offset, length)
 
     def close(self) -> None:
         for m in self._maps.values():

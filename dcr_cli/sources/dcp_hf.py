@@ -20,7 +20,7 @@ from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from .safetensors_dir import read_header
-from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint
+from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint, release_pages
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
@@ -90,6 +90,11 @@ class DcpHfReader(ShardReader):
         if not chunk.numel:
             return np.empty(chunk.sizes, dtype=dt.uint)
         return np.frombuffer(m, dtype=dt.uint, count=chunk.numel, offset=int(chunk.location)).reshape(chunk.sizes)  # type: ignore[arg-type]
+
+    def release(self, key: str, chunk: Chunk) -> None:
+        m = self._maps.get(chunk.file)
+        if m is not None:
+            release_pages(m, int(chunk.location), chunk.numel * lookup_dtype(self.stored[key].dtype).itemsize)  # type: ignore[arg-type]
 
     def close(self) -> None:
         for m in self._maps.values():

@@ -90,8 +90,29 @@ class ShardReader:
         """The chunk's elements as the stored dtype's unsigned integers, shaped ``chunk.sizes``."""
         raise NotImplementedError
 
+    def release(self, key: str, chunk: Chunk) -> None:
+        """Done with this chunk for now: readers that map files drop its pages from this process."""
+        return None
+
     def close(self) -> None:
         return None
+
+
+def release_pages(m: object, start: int, length: int) -> None:
+    """Unmap the pages of [start, start+length) of a read-only file mapping from this process (RSS).
+
+    The data stays in the page cache; a later access faults it back in, so this is safe
+    even while another thread still reads the same range.
+    """
+    import mmap as _mmap
+
+    if length <= 0 or not hasattr(_mmap, "MADV_DONTNEED"):
+        return
+    page = _mmap.PAGESIZE
+    lo = start - start % page
+    hi = min(len(m), start + length)  # type: ignore[arg-type]
+    if hi > lo:
+        m.madvise(_mmap.MADV_DONTNEED, lo, hi - lo)  # type: ignore[attr-defined]
 
 
 def intersect(
@@ -316,19 +337,25 @@ class ChunkCache:
 
     def __init__(self, reader: ShardReader, max_bytes: int = 256 << 20) -> None:
         self.reader, self.max_bytes = reader, max_bytes
-        self._items: OrderedDict[tuple[str, tuple[int, ...]], np.ndarray] = OrderedDict()
+        self._items: OrderedDict[tuple[str, tuple[int, ...]], tuple[Chunk, np.ndarray]] = OrderedDict()
 
     def get(self, key: str, chunk: Chunk) -> np.ndarray:
         k = (key, chunk.offsets)
-        arr = self._items.get(k)
-        if arr is not None:
+        hit = self._items.get(k)
+        if hit is not None:
             self._items.move_to_end(k)
-            return arr
+            return hit[1]
         arr = self.reader.read_chunk(key, chunk)
-        self._items[k] = arr
-        while len(self._items) > 1 and sum(a.nbytes for a in self._items.values()) > self.max_bytes:
-            self._items.popitem(last=False)
+        self._items[k] = (chunk, arr)
+        while len(self._items) > 1 and sum(a.nbytes for _, a in self._items.values()) > self.max_bytes:
+            (old_key, _), (old_chunk, _) = self._items.popitem(last=False)
+            self.reader.release(old_key, old_chunk)
         return arr
+
+    def clear(self) -> None:
+        for (key, _), (chunk, _) in self._items.items():
+            self.reader.release(key, chunk)
+        self._items.clear()
 
 
 def identity_canonical(reader: ShardReader, keys: list[str] | None = None) -> dict[str, CanonicalTensor]:
