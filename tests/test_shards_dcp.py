@@ -87,6 +87,18 @@ def test_producers_write_parts_and_the_last_one_assembles(fsdp: Path, tmp_path: 
     assert_oracle(parted, fsdp / "base" / "hf", fsdp / "target" / "hf")
 
 
+def test_torchrun_launches_one_producer_per_rank(fsdp: Path, tmp_path: Path) -> None:
+    out = tmp_path / "d"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "dcr_cli",
+         "diff", str(fsdp / "base" / "dcp"), str(fsdp / "target" / "dcp"), "-o", str(out), "--workers", "1"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("written") == 3  # three producers, each wrote its part; the last one assembled
+    assert_oracle(out, fsdp / "base" / "hf", fsdp / "target" / "hf")
+
+
 def test_assemble_refuses_missing_parts(fsdp: Path, tmp_path: Path) -> None:
     out = tmp_path / "d"
     for rank in (0, 2):
