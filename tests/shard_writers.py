@@ -289,3 +289,94 @@ def megatron_to_hf(t: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Ten
             out[p + "mlp.up_proj.weight"] = w(up)
             out[p + "mlp.down_proj.weight"] = w(t["decoder.layers.mlp.linear_fc2.weight"][i])
     return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- real megatron-core (when installed)
+REAL_MEGATRON_KEYS = {
+    # spellings of megatron-core's local layer spec -> the names megatron_to_hf uses
+    "decoder.layers.mlp.experts.experts.linear_fc1.weight": "decoder.layers.mlp.experts.linear_fc1.weight",
+    "decoder.layers.mlp.experts.experts.linear_fc2.weight": "decoder.layers.mlp.experts.linear_fc2.weight",
+}
+
+
+def _real_megatron_worker(rank: int, world: int, port: int, out: str, cfg: dict) -> None:
+    """Builds megatron-core's GPTModel (local layer spec, CPU init) with TP or EP = world; saves torch_dist."""
+    _init(rank, world, port)
+    # megatron-core's torch_dist saver synchronizes CUDA and reduces a flag on the current CUDA device;
+    # with a CPU-only torch these two calls are the only obstacle, so they are pointed at the CPU.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    moe = bool(cfg.get("num_experts"))
+    tp, ep = (1, world) if moe else (world, 1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    kw = dict(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_key_value_heads"],
+        kv_channels=cfg["head_dim"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        qk_layernorm=True,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+    )
+    if moe:
+        kw.update(num_moe_experts=cfg["num_experts"], moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                  moe_router_topk=2, moe_grouped_gemm=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPTModel(
+        TransformerConfig(**kw),
+        get_gpt_layer_local_spec(num_experts=cfg.get("num_experts"), qk_layernorm=True, moe_grouped_gemm=False),
+        vocab_size=cfg["megatron"]["padded_vocab_size"],
+        max_sequence_length=32,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings")),
+        position_embedding_type="rope",
+    )
+    for tag in ("base", "target"):
+        if tag == "target":  # a training-step-like change in every rank's local shards, plus NaN and -0.0
+            g = torch.Generator().manual_seed(rank)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    flat = p.data.view(-1)
+                    idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 20),), generator=g)
+                    flat[idx] = (flat[idx].float() * 1.01 + 1e-3).to(flat.dtype)
+                    if name.endswith("linear_qkv.weight"):
+                        ints = flat.view(torch.int16)
+                        ints[3], ints[4] = 0x7FC3, -0x8000
+        Path(f"{out}/{tag}/torch_dist").mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), f"{out}/{tag}/torch_dist")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_real_megatron_checkpoints(out: str | Path, cfg: dict, world: int = 2) -> Path:
+    out = Path(out)
+    mp.spawn(_real_megatron_worker, args=(world, free_port(), str(out), cfg), nprocs=world, join=True)
+    return out
+
+
+def full_tensors_from_dcp(path: str | Path, scratch: str | Path, moe: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, whole, loaded by torch's own DCP reader (the reference, not dcr)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    file = Path(scratch) / "full.pt"
+    dcp_to_torch_save(str(path), str(file))
+    full = torch.load(file, weights_only=False)
+    file.unlink()
+    keys = dict(REAL_MEGATRON_KEYS)
+    if moe:  # the local MoE spec keeps the pre-MLP norm under the dense spelling
+        keys["decoder.layers.mlp.linear_fc1.layer_norm_weight"] = "decoder.layers.pre_mlp_layernorm.weight"
+    return {keys.get(k, k): v for k, v in full.items() if isinstance(v, torch.Tensor)}

@@ -107,11 +107,14 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
     def key(name: str) -> str:
         return prefix + name
 
-    def need(name: str) -> str:
-        k = key(name)
-        if k not in stored:
-            raise IncompatibleError(f"{reader.root}: Megatron key {k!r} is missing (does --profile match the model?)")
-        return k
+    def need(*names: str) -> str:
+        """The first of alternative spellings (layer specs differ: local vs Transformer Engine) that is stored."""
+        for name in names:
+            if key(name) in stored:
+                return key(name)
+        raise IncompatibleError(
+            f"{reader.root}: Megatron key {key(names[0])!r} is missing (does --profile match the model?)"
+        )
 
     def add(name: str, shape: tuple[int, ...], segments: list[Segment], norm: bool = False) -> None:
         src = stored[segments[0].key].dtype
@@ -149,7 +152,8 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
     whole(need("decoder.final_layernorm.weight"), "model.norm.weight", (hidden,), norm=True)
 
     att = "decoder.layers.self_attention."
-    per_layer(need(att + "linear_qkv.layer_norm_weight"), "input_layernorm.weight", (hidden,), norm=True)
+    input_norm = need(att + "linear_qkv.layer_norm_weight", "decoder.layers.input_layernorm.weight")
+    per_layer(input_norm, "input_layernorm.weight", (hidden,), norm=True)
     qkv = need(att + "linear_qkv.weight")
     rows_per_group = (heads_per_group + 2) * head_dim
     if stored[qkv].shape[1] != groups * rows_per_group:
@@ -176,9 +180,12 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
     mlp = "decoder.layers.mlp."
     if experts:
         inter = int(config.get("moe_intermediate_size") or config["intermediate_size"])
-        per_layer(need("decoder.layers.pre_mlp_layernorm.weight"), "post_attention_layernorm.weight", (hidden,), True)
+        pre_mlp = need("decoder.layers.pre_mlp_layernorm.weight", mlp + "linear_fc1.layer_norm_weight")
+        per_layer(pre_mlp, "post_attention_layernorm.weight", (hidden,), True)
         per_layer(need(mlp + "router.weight"), "mlp.gate.weight", (experts, hidden))
-        fc1, fc2 = need(mlp + "experts.linear_fc1.weight"), need(mlp + "experts.linear_fc2.weight")
+        # grouped experts (TEGroupedMLP) or sequential local experts (SequentialMLP)
+        fc1 = need(mlp + "experts.linear_fc1.weight", mlp + "experts.experts.linear_fc1.weight")
+        fc2 = need(mlp + "experts.linear_fc2.weight", mlp + "experts.experts.linear_fc2.weight")
         for layer in range(layers):
             for e in range(experts):
                 pre = f"model.layers.{layer}.mlp.experts.{e}."
@@ -188,7 +195,8 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
                 add(down, (hidden, inter), [Segment(fc2, (layer, e, 0, 0), (1, 1, hidden, inter), down, (0, 0))])
     else:
         inter = int(config["intermediate_size"])
-        per_layer(need(mlp + "linear_fc1.layer_norm_weight"), "post_attention_layernorm.weight", (hidden,), True)
+        pre_mlp = need(mlp + "linear_fc1.layer_norm_weight", "decoder.layers.pre_mlp_layernorm.weight")
+        per_layer(pre_mlp, "post_attention_layernorm.weight", (hidden,), True)
         fc1 = need(mlp + "linear_fc1.weight")
         for layer in range(layers):
             pre = f"model.layers.{layer}.mlp."
