@@ -45,11 +45,12 @@ def item_keys(delta: Path) -> list[tuple]:
 
 def test_formats_are_autodetected(fsdp: Path) -> None:
     assert detect_format(fsdp / "base" / "dcp") == "dcp"
-    assert detect_format(fsdp / "base" / "hf") == "dcp-hf"  # the sharded/ folder carries DCP_SHARDING_INFO
+    # torch's export dir holds the consolidated HF files (hf) and, in sharded/, the DCP-HF shards
+    assert detect_format(fsdp / "base" / "hf") == "hf"
     assert detect_format(fsdp / "base" / "hf" / "sharded") == "dcp-hf"
 
 
-@pytest.mark.parametrize("sub", ["dcp", "hf"])
+@pytest.mark.parametrize("sub", ["dcp", "hf/sharded"])
 def test_delta_from_shards_applied_to_hf_base_gives_hf_target(fsdp: Path, tmp_path: Path, sub: str) -> None:
     out = tmp_path / "delta"
     summary = diff(fsdp / "base" / sub, fsdp / "target" / sub, out, workers=2)
@@ -65,7 +66,7 @@ def test_delta_from_shards_applied_to_hf_base_gives_hf_target(fsdp: Path, tmp_pa
 
 def test_dcp_and_dcp_hf_give_the_same_items(fsdp: Path, tmp_path: Path) -> None:
     diff(fsdp / "base" / "dcp", fsdp / "target" / "dcp", tmp_path / "a")
-    diff(fsdp / "base" / "hf", fsdp / "target" / "hf", tmp_path / "b")
+    diff(fsdp / "base" / "hf" / "sharded", fsdp / "target" / "hf" / "sharded", tmp_path / "b")
     assert item_keys(tmp_path / "a") == item_keys(tmp_path / "b")
     assert Delta.open(tmp_path / "a").manifest.tensors == Delta.open(tmp_path / "b").manifest.tensors
 

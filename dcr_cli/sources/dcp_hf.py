@@ -26,11 +26,13 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
 def shard_files(path: Path) -> list[Path]:
-    """The sharded files of a DCP-HF export: in ``path`` itself or in its ``sharded/`` folder."""
-    for where in (path, path / "sharded"):
-        files = sorted(p for p in where.glob("*.safetensors") if p.is_file())
-        if files and all(_has_sharding_info(p) for p in files):
-            return files
+    """The sharded files of a DCP-HF export: in ``path`` itself, or in ``path/sharded`` when ``path``
+    holds no safetensors of its own (a directory with consolidated HF files is an HF checkpoint)."""
+    files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+    if not files:
+        files = sorted(p for p in (path / "sharded").glob("*.safetensors") if p.is_file())
+    if files and all(_has_sharding_info(p) for p in files):
+        return files
     return []
 
 
