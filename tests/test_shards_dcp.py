@@ -139,3 +139,18 @@ def test_truncated_shard_fails_closed(fsdp: Path, tmp_path: Path) -> None:
     with pytest.raises(FormatError):
         diff(fsdp / "base" / "dcp", broken, tmp_path / "z")
     assert not (tmp_path / "z").exists()
+
+
+def test_include_and_strip_prefix_select_and_name_the_weights(fsdp: Path, tmp_path: Path) -> None:
+    full, some = tmp_path / "full", tmp_path / "some"
+    diff(fsdp / "base" / "dcp", fsdp / "target" / "dcp", full)
+    base, new = str(fsdp / "base" / "dcp"), str(fsdp / "target" / "dcp")
+    r = run_cli("diff", base, new, "-o", str(some), "--include", "extra.*", "--include", "proj.weight",
+                "--strip-prefix", "extra.")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    tensors = Delta.open(some).manifest.tensors
+    assert sorted(tensors) == ["col_sharded", "plain_f32", "proj.weight", "replicated"]
+    whole = Delta.open(full).manifest.tensors
+    assert tensors["col_sharded"] == whole["extra.col_sharded"] and tensors["proj.weight"] == whole["proj.weight"]
+    r = run_cli("diff", base, new, "-o", str(tmp_path / "none"), "--include", "optim.*")
+    assert r.returncode == 2 and "no stored tensor matches" in r.stderr

@@ -45,6 +45,14 @@ def _env_int(name: str) -> int | None:
     type=click.Path(exists=True),
     help='Megatron: the HF config.json (or its directory) of the model, with optional "megatron" options.',
 )
+@click.option(
+    "--include",
+    "include",
+    multiple=True,
+    metavar="GLOB",
+    help="DCP / DCP-HF: diff only stored tensors matching GLOB (the weights, not optimizer state). Repeatable.",
+)
+@click.option("--strip-prefix", metavar="PREFIX", help="DCP / DCP-HF: remove PREFIX from stored names to get HF names.")
 @click.option("--rank", type=click.IntRange(min=0), help="This producer's rank (default: $RANK under torchrun).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Producers in all (default: $WORLD_SIZE).")
 @click.option(
@@ -67,6 +75,8 @@ def command(
     overwrite: tuple[str, ...],
     fmt: str | None,
     profile: str | None,
+    include: tuple[str, ...],
+    strip_prefix: str | None,
     rank: int | None,
     world_size: int | None,
     assemble: bool,
@@ -92,6 +102,8 @@ def command(
         from ..sources.megatron import load_profile
 
         config = load_profile(profile)
+    elif include or strip_prefix:
+        config = {"include": list(include), "strip_prefix": strip_prefix or ""}
     total = 0
     if (fmt or detect_format(new)) == "hf":
         from ..sources.safetensors_dir import SafetensorsCheckpoint

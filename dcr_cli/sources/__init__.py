@@ -42,7 +42,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 
 def open_source(path: str | os.PathLike[str], format: str | None = None, profile: dict[str, Any] | None = None) -> Any:
-    """Open a checkpoint: a SafetensorsCheckpoint for "hf", a ShardCheckpoint for the training formats."""
+    """Open a checkpoint: a SafetensorsCheckpoint for "hf", a ShardCheckpoint for the training formats.
+
+    ``profile``: for megatron, the HF config (format_spec/producers.md §4); for dcp and dcp-hf,
+    optional ``{"include": [globs], "strip_prefix": str}`` selecting and naming the weights.
+    """
     fmt = format or detect_format(path)
     if fmt == "hf":
         from .safetensors_dir import SafetensorsCheckpoint
@@ -50,16 +54,18 @@ def open_source(path: str | os.PathLike[str], format: str | None = None, profile
         return SafetensorsCheckpoint(path)
     from .shards import ShardCheckpoint, identity_canonical
 
+    selection = profile or {}
+    include, strip = tuple(selection.get("include") or ()), str(selection.get("strip_prefix") or "")
     if fmt == "dcp":
         from .dcp import DcpReader
 
         reader = DcpReader(path)
-        return ShardCheckpoint(reader, identity_canonical(reader), "dcp")
+        return ShardCheckpoint(reader, identity_canonical(reader, include, strip), "dcp")
     if fmt == "dcp-hf":
         from .dcp_hf import DcpHfReader
 
         reader = DcpHfReader(path)
-        return ShardCheckpoint(reader, identity_canonical(reader), "dcp-hf")
+        return ShardCheckpoint(reader, identity_canonical(reader, include, strip), "dcp-hf")
     if fmt == "megatron":
         from .dcp import DcpReader
         from .megatron import load_profile, megatron_canonical, tied_duplicates

@@ -358,13 +358,28 @@ class ChunkCache:
         self._items.clear()
 
 
-def identity_canonical(reader: ShardReader, keys: list[str] | None = None) -> dict[str, CanonicalTensor]:
-    """Profile of formats whose stored tensors already are the canonical tensors (plain DCP, DCP-HF)."""
+def identity_canonical(
+    reader: ShardReader, include: tuple[str, ...] | list[str] = (), strip_prefix: str = ""
+) -> dict[str, CanonicalTensor]:
+    """Profile of formats whose stored tensors already are the canonical tensors (plain DCP, DCP-HF).
+
+    ``include`` globs select the weights among everything a trainer saved (optimizer state,
+    counters); ``strip_prefix`` removes a wrapper prefix (e.g. "model.") from the HF names.
+    """
+    import fnmatch
+
     out = {}
-    for key in keys if keys is not None else sorted(reader.stored):
+    for key in sorted(reader.stored):
+        if include and not any(fnmatch.fnmatchcase(key, g) for g in include):
+            continue
+        name = key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
+        if name in out:
+            raise IncompatibleError(f"{reader.root}: two stored tensors become {name!r} after --strip-prefix")
         st = reader.stored[key]
         zero = (0,) * len(st.shape)
-        out[key] = CanonicalTensor(key, st.dtype, st.shape, [Segment(key, zero, st.shape, key, zero)])
+        out[name] = CanonicalTensor(name, st.dtype, st.shape, [Segment(key, zero, st.shape, name, zero)])
+    if not out:
+        raise IncompatibleError(f"{reader.root}: no stored tensor matches --include {' '.join(include)}")
     return out
 
 
