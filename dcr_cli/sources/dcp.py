@@ -178,6 +178,7 @@ class DcpReader(ShardReader):
             raise FormatError(f"{root}/{METADATA_NAME} is unreadable ({exc.__class__.__name__})") from None
         self._path = path
         self._maps: dict[str, mmap.mmap] = {}
+        self._record_offsets: dict[tuple[str, int], int | None] = {}
         self._lock = threading.Lock()
         self.stored: dict[str, StoredTensor] = {}
         for fqn, md in sorted(meta.state_dict_metadata.items()):
@@ -216,7 +217,10 @@ class DcpReader(ShardReader):
         m = self._map(chunk.file)
         if offset + length > len(m):
             raise FormatError(f"{self.root}/{chunk.file}: record of {key} is truncated")
-        data = _raw_record_offset(m, offset, length, chunk.sizes, dt.name)
+        where = (chunk.file, offset)
+        data = self._record_offsets.get(where, -1)
+        if data == -1:
+            data = self._record_offsets[where] = _raw_record_offset(m, offset, length, chunk.sizes, dt.name)
         if data is not None:
             return np.frombuffer(m, dtype=dt.uint, count=chunk.numel, offset=data).reshape(chunk.sizes)
         return self._load_chunk(key, chunk)
