@@ -85,12 +85,50 @@ def diff(
     level: int | None = DEFAULT_LEVEL,
     overwrite: Sequence[str] = (),
     progress: Progress | None = None,
-) -> DiffSummary:
+    format: str | None = None,
+    profile: dict | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> DiffSummary | None:
     """Write a delta that turns checkpoint ``base`` into checkpoint ``new``.
 
+    Both are Hugging Face safetensors directories, or both training checkpoints
+    (``format``: dcp, dcp-hf, megatron; autodetected when None), which are
+    diffed in canonical (HF) coordinates (dcr_cli/shard_diff.py).
     ``overwrite`` lists glob patterns of tensors whose receivers do not keep
     stored bits (e.g. they cast or quantize): those travel as absolute values.
+    With ``rank``/``world_size`` this process writes only its part of the delta
+    and returns None (``dcr_cli.delta.parts.assemble`` merges the parts).
     """
+    from .sources import detect_format, open_source
+
+    formats = {format or detect_format(base), format or detect_format(new)}
+    if len(formats) != 1:
+        raise IncompatibleError(f"BASE and NEW are of different formats ({' and '.join(sorted(formats))})")
+    if formats != {"hf"}:
+        from .shard_diff import diff_shard_checkpoints
+
+        fmt = formats.pop()
+        b_src, n_src = open_source(base, fmt, profile), open_source(new, fmt, profile)
+        try:
+            return diff_shard_checkpoints(
+                b_src,
+                n_src,
+                out,
+                base_version=base_version,
+                target_version=target_version,
+                workers=workers,
+                level=level,
+                overwrite=overwrite,
+                progress=progress,
+                rank=rank,
+                world_size=world_size,
+            )
+        finally:
+            b_src.reader.close()
+            n_src.reader.close()
+    if rank is not None and (world_size or 1) > 1:
+        raise IncompatibleError("--rank/--world-size split training shards; an HF directory is diffed by one process")
     workers = workers or default_workers()
     with SafetensorsCheckpoint(base) as b, SafetensorsCheckpoint(new) as n:
         mismatch = layout_mismatch(b.layout(), n.layout())

@@ -64,6 +64,12 @@ def inspect(delta: str | os.PathLike[str], *, changed_only: bool = False) -> Del
     rows: dict[str, TensorRow] = {
         name: TensorRow(name, t.dtype, t.numel, 0, [], 0, t.nbytes, None) for name, t in m.tensors.items()
     }
+    # Producers of training shards list every tensor that took the residual path, changed or not.
+    residual_tensors = m.extra.get("residual_tensors")
+    if isinstance(residual_tensors, dict):
+        for name, reason in residual_tensors.items():
+            if name in rows and isinstance(reason, str):
+                rows[name].residual = reason
     for item in m.items:
         row = rows[item.tensor]
         row.changed_elements += item.changed_elements
@@ -72,7 +78,7 @@ def inspect(delta: str | os.PathLike[str], *, changed_only: bool = False) -> Del
             row.ops.append(item.op)
         if item.residual:
             row.residual = item.residual
-    tensor_rows = [r for r in rows.values() if r.changed_elements or not changed_only]
+    tensor_rows = [r for r in rows.values() if r.changed_elements or r.residual or not changed_only]
     return DeltaReport(
         delta=str(delta),
         delta_id=d.id,

@@ -23,6 +23,7 @@ def _register() -> None:
     from . import (
         ack_cmd,
         apply_cmd,
+        assemble_cmd,
         check_cmd,
         commit_cmd,
         diff_cmd,
@@ -37,6 +38,7 @@ def _register() -> None:
 
     for module in (
         diff_cmd,
+        assemble_cmd,
         inspect_cmd,
         apply_cmd,
         verify_cmd,

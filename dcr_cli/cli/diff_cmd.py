@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from .common import byte_progress, emit_json, handle_errors, human_bytes
+
+FORMAT_CHOICES = ("hf", "dcp", "dcp-hf", "megatron")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value and value.isdigit() else None
 
 
 @click.command("diff")
@@ -24,6 +33,34 @@ from .common import byte_progress, emit_json, handle_errors, human_bytes
     metavar="GLOB",
     help="Send tensors matching GLOB as absolute values (receivers that cast or quantize). Repeatable.",
 )
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMAT_CHOICES),
+    help="Checkpoint format of BASE and NEW (default: autodetect): HF safetensors dir, PyTorch DCP,"
+    " DCP's HF shards, Megatron torch_dist.",
+)
+@click.option(
+    "--profile",
+    type=click.Path(exists=True),
+    help='Megatron: the HF config.json (or its directory) of the model, with optional "megatron" options.',
+)
+@click.option(
+    "--include",
+    "include",
+    multiple=True,
+    metavar="GLOB",
+    help="DCP / DCP-HF: diff only stored tensors matching GLOB (the weights, not optimizer state). Repeatable.",
+)
+@click.option("--strip-prefix", metavar="PREFIX", help="DCP / DCP-HF: remove PREFIX from stored names to get HF names.")
+@click.option("--rank", type=click.IntRange(min=0), help="This producer's rank (default: $RANK under torchrun).")
+@click.option("--world-size", type=click.IntRange(min=1), help="Producers in all (default: $WORLD_SIZE).")
+@click.option(
+    "--assemble/--no-assemble",
+    default=True,
+    help="With --rank: the producer that writes the last part assembles the delta (default), or leave it"
+    " to `dcr assemble OUT`.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on a terminal.")
 @handle_errors
@@ -36,16 +73,44 @@ def command(
     workers: int | None,
     level: int | None,
     overwrite: tuple[str, ...],
+    fmt: str | None,
+    profile: str | None,
+    include: tuple[str, ...],
+    strip_prefix: str | None,
+    rank: int | None,
+    world_size: int | None,
+    assemble: bool,
     as_json: bool,
     progress: bool,
 ) -> None:
-    """Write the delta from checkpoint BASE to checkpoint NEW."""
-    from ..diff import diff
-    from ..sources.safetensors_dir import SafetensorsCheckpoint
+    """Write the delta from checkpoint BASE to checkpoint NEW.
 
-    with SafetensorsCheckpoint(new) as ckpt:
-        total = sum(t.nbytes for t in ckpt.tensors.values())
-    with byte_progress(total, "diff", progress) as advance:
+    BASE and NEW are Hugging Face checkpoint directories or training checkpoints
+    (PyTorch DCP, DCP's HF shards, Megatron torch_dist); training checkpoints are
+    read shard by shard and the delta is in HF (canonical) coordinates.
+    """
+    from ..diff import diff
+    from ..errors import IncompatibleError
+    from ..sources import detect_format
+
+    rank = rank if rank is not None else _env_int("RANK")
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+    if (rank is None) != (world_size is None) or (rank is not None and world_size is not None and rank >= world_size):
+        raise IncompatibleError("give --rank and --world-size together, with rank < world size")
+    config = None
+    if profile is not None:
+        from ..sources.megatron import load_profile
+
+        config = load_profile(profile)
+    elif include or strip_prefix:
+        config = {"include": list(include), "strip_prefix": strip_prefix or ""}
+    total = 0
+    if (fmt or detect_format(new)) == "hf":
+        from ..sources.safetensors_dir import SafetensorsCheckpoint
+
+        with SafetensorsCheckpoint(new) as ckpt:
+            total = sum(t.nbytes for t in ckpt.tensors.values())
+    with byte_progress(total, "diff", progress and total > 0) as advance:
         summary = diff(
             base,
             new,
@@ -56,7 +121,24 @@ def command(
             level=level,
             overwrite=overwrite,
             progress=advance,
+            format=fmt,
+            profile=config,
+            rank=rank,
+            world_size=world_size,
         )
+    if summary is None:
+        from ..delta.parts import part_dir, try_assemble_last
+
+        assert rank is not None
+        click.echo(f"{part_dir(out, rank)}: part {rank} of {world_size} written", err=True)
+        if not assemble:
+            return
+        manifest = try_assemble_last(out)
+        if manifest is None:
+            return
+        from ..diff import summarize
+
+        summary = summarize(__import__("pathlib").Path(out), manifest)
     if as_json:
         emit_json(summary.to_json())
     else:

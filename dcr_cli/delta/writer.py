@@ -119,6 +119,40 @@ class DeltaWriter:
             if item.repair is not None:
                 self._packers["repair"].add(index, "repair", item.repair)
 
+    def placed_items(self) -> list[Item]:
+        """Flush pending blocks and return the items with their sections placed (call under the lock)."""
+        for packer in self._packers.values():
+            packer.flush()
+        return [
+            Item(
+                tensor=e.tensor,
+                region=e.region,
+                op=e.op,
+                count=e.count,
+                data=s["data"],
+                positions_length=e.positions_length,
+                pre=e.pre,
+                post=e.post,
+                repair=s.get("repair"),
+                residual=e.residual,
+                changed=e.changed,
+            )
+            for e, s in zip(self._items, self._sections, strict=True)
+        ]
+
+    @property
+    def blocks(self) -> list[BlockEntry]:
+        return self._blocks
+
+    def commit(self, file_name: str, data: bytes) -> None:
+        """Write the directory's index file (manifest, or a producer's part) last, then rename into place."""
+        write_atomic(self._tmp / file_name, data)
+        fsync_dir(self._tmp / BLOCKS_DIR)
+        if self.out.exists():
+            self.out.rmdir()  # empty, checked in __init__
+        os.replace(self._tmp, self.out)
+        fsync_dir(self.out.parent)
+
     def finish(
         self,
         base: VersionRef,
@@ -128,24 +162,7 @@ class DeltaWriter:
         created: str | None = None,
     ) -> Manifest:
         with self._lock:
-            for packer in self._packers.values():
-                packer.flush()
-            items = [
-                Item(
-                    tensor=e.tensor,
-                    region=e.region,
-                    op=e.op,
-                    count=e.count,
-                    data=s["data"],
-                    positions_length=e.positions_length,
-                    pre=e.pre,
-                    post=e.post,
-                    repair=s.get("repair"),
-                    residual=e.residual,
-                    changed=e.changed,
-                )
-                for e, s in zip(self._items, self._sections, strict=True)
-            ]
+            items = self.placed_items()
             manifest = Manifest(
                 base=base,
                 target=target,
@@ -156,12 +173,7 @@ class DeltaWriter:
                 producer=f"dcr {__version__}",
                 extra=dict(extra or {}),
             )
-            write_atomic(self._tmp / MANIFEST_NAME, manifest.to_json_bytes())
-            fsync_dir(self._tmp / BLOCKS_DIR)
-            if self.out.exists():
-                self.out.rmdir()  # empty, checked in __init__
-            os.replace(self._tmp, self.out)
-            fsync_dir(self.out.parent)
+            self.commit(MANIFEST_NAME, manifest.to_json_bytes())
             return manifest
 
     def abort(self) -> None:

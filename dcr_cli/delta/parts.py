@@ -1,0 +1,213 @@
+"""Producer parts: one process per rank writes its share of a delta; ``assemble`` merges them.
+
+Layout (format_spec/producers.md): ``OUT/parts/rank-<R>/part.json`` + ``blocks/``.
+A part is complete when its ``part.json`` exists (written last, atomically).
+Assembly moves blocks (content-addressed, so a name collision is the same bytes)
+into ``OUT/blocks/``, checks that the parts fit together (one world size, every
+rank once, every canonical tensor digested exactly once, no two items overlap),
+writes ``OUT/manifest.json`` last, then removes ``OUT/parts``. Re-running it
+after a crash finishes the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConflictError, FormatError
+from ..format.dtypes import dtype as lookup_dtype
+from ..format.manifest import (
+    BLOCKS_DIR,
+    MANIFEST_NAME,
+    BlockEntry,
+    Item,
+    Manifest,
+    Section,
+    TensorEntry,
+    VersionRef,
+    fingerprint,
+    parse_manifest,
+)
+from .writer import DeltaWriter, fsync_dir, write_atomic
+
+PARTS_DIR = "parts"
+PART_NAME = "part.json"
+PART_FORMAT = "dcr.delta-part"
+LOCK_NAME = ".assemble.lock"
+
+
+def part_dir(out: str | os.PathLike[str], rank: int) -> Path:
+    return Path(out) / PARTS_DIR / f"rank-{rank:05d}"
+
+
+def finish_part(
+    writer: DeltaWriter,
+    *,
+    rank: int,
+    world_size: int,
+    layout: dict[str, tuple[str, tuple[int, ...]]],
+    base_digests: dict[str, str],
+    target_digests: dict[str, str],
+    residual: dict[str, str],
+    base_version: str | None,
+    target_version: str | None,
+) -> None:
+    with writer._lock:
+        items = writer.placed_items()
+        obj = {
+            "format": PART_FORMAT,
+            "format_version": [1, 0],
+            "rank": rank,
+            "world_size": world_size,
+            "base_version": base_version,
+            "target_version": target_version,
+            "tensors": {n: {"dtype": d, "shape": list(s)} for n, (d, s) in sorted(layout.items())},
+            "base_digests": dict(sorted(base_digests.items())),
+            "target_digests": dict(sorted(target_digests.items())),
+            "residual_tensors": residual,
+            "blocks": [{"id": b.id, "size": b.size, "role": b.role} for b in writer.blocks],
+            "items": [it.to_json() for it in items],
+        }
+        writer.commit(PART_NAME, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def complete_parts(out: str | os.PathLike[str]) -> tuple[int, list[Path]] | None:
+    """(world size, part dirs) when every rank's part is written, else None."""
+    root = Path(out) / PARTS_DIR
+    parts = sorted(p for p in root.glob("rank-*") if (p / PART_NAME).is_file()) if root.is_dir() else []
+    if not parts:
+        return None
+    world = json.loads((parts[0] / PART_NAME).read_text())["world_size"]
+    return (world, parts) if len(parts) == world else None
+
+
+def try_assemble_last(out: str | os.PathLike[str]) -> Manifest | None:
+    """Called by each producer after writing its part: the one that sees all parts (and wins the lock) assembles."""
+    if complete_parts(out) is None:
+        return None
+    try:
+        fd = os.open(Path(out) / LOCK_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return None  # another producer is assembling
+    os.close(fd)
+    manifest = assemble(out)
+    (Path(out) / LOCK_NAME).unlink(missing_ok=True)
+    return manifest
+
+
+def _load_part(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads((path / PART_NAME).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path / PART_NAME} is unreadable ({exc.__class__.__name__})") from None
+    if obj.get("format") != PART_FORMAT or not isinstance(obj.get("format_version"), list):
+        raise FormatError(f"{path / PART_NAME} is not a dcr delta part")
+    if obj["format_version"][0] != 1:
+        raise FormatError(f"{path / PART_NAME}: part format major {obj['format_version'][0]} unsupported; upgrade dcr")
+    return obj
+
+
+def assemble(out: str | os.PathLike[str]) -> Manifest:
+    """Merge the producers' parts under ``out`` into one delta at ``out``."""
+    out = Path(out)
+    if (out / MANIFEST_NAME).exists():
+        raise ConflictError(f"{out} is already an assembled delta")
+    root = out / PARTS_DIR
+    parts = sorted(p for p in root.glob("rank-*") if p.is_dir()) if root.is_dir() else []
+    if not parts:
+        raise FormatError(f"{out} holds no producer parts ({PARTS_DIR}/rank-*/{PART_NAME})")
+    objs = [_load_part(p) for p in parts]
+    world = objs[0]["world_size"]
+    ranks = sorted(o["rank"] for o in objs)
+    if any(o["world_size"] != world for o in objs) or ranks != list(range(world)):
+        missing = sorted(set(range(world)) - set(ranks))
+        raise FormatError(f"{out}: parts are incomplete (world size {world}, missing ranks {missing}); rerun them")
+    layout = objs[0]["tensors"]
+    if any(o["tensors"] != layout for o in objs):
+        raise FormatError(f"{out}: parts disagree on the canonical tensor table (different checkpoints?)")
+    base_digests: dict[str, str] = {}
+    target_digests: dict[str, str] = {}
+    for o in objs:
+        for src, dst in ((o["base_digests"], base_digests), (o["target_digests"], target_digests)):
+            for name, digest in src.items():
+                if name in dst:
+                    raise FormatError(f"{out}: tensor {name!r} was digested by two parts")
+                dst[name] = digest
+    missing = sorted(set(layout) - set(target_digests)) or sorted(set(layout) - set(base_digests))
+    if missing:
+        raise FormatError(f"{out}: no part digested tensor {missing[0]!r} ({len(missing)} such)")
+
+    (out / BLOCKS_DIR).mkdir(exist_ok=True)
+    blocks: list[BlockEntry] = []
+    block_index: dict[tuple[str, str], int] = {}
+    items: list[Item] = []
+    for path, o in zip(parts, objs, strict=True):
+        remap = []
+        for b in o["blocks"]:
+            entry = BlockEntry(b["id"], b["size"], b["role"])
+            src, dst = path / BLOCKS_DIR / entry.id, out / BLOCKS_DIR / entry.id
+            if not dst.exists():
+                if not src.exists():
+                    raise FormatError(f"{out}: block {entry.id[:16]}… of {path.name} is missing")
+                os.replace(src, dst)  # same file system; content-addressed, so never a collision
+            if dst.stat().st_size != entry.size:
+                raise FormatError(f"{out}: block {entry.id[:16]}… has the wrong size")
+            k = (entry.id, entry.role)
+            if k not in block_index:
+                block_index[k] = len(blocks)
+                blocks.append(entry)
+            remap.append(block_index[k])
+        for raw in o["items"]:
+            items.append(_remap_item(raw, remap))
+    fsync_dir(out / BLOCKS_DIR)
+
+    tensors = {n: TensorEntry(t["dtype"], tuple(t["shape"]), target_digests[n]) for n, t in sorted(layout.items())}
+    base_table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), base_digests[n]) for n, t in sorted(layout.items())}
+    for t in tensors.values():
+        lookup_dtype(t.dtype)
+    base_fp, target_fp = fingerprint(base_table), fingerprint(tensors)
+    residual = objs[0].get("residual_tensors") or {}
+    from datetime import datetime, timezone
+
+    from .. import __version__
+
+    manifest = Manifest(
+        base=VersionRef(objs[0].get("base_version") or base_fp[:16], base_fp),
+        target=VersionRef(objs[0].get("target_version") or target_fp[:16], target_fp),
+        tensors=tensors,
+        items=items,
+        blocks=blocks,
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        producer=f"dcr {__version__} (assembled from {world} parts)",
+        extra={"residual_tensors": residual} if residual else {},
+    )
+    raw = manifest.to_json_bytes()
+    parse_manifest(raw)  # the same checks a reader makes, overlap included, before anything is published
+    write_atomic(out / MANIFEST_NAME, raw)
+    fsync_dir(out)
+    shutil.rmtree(root, ignore_errors=True)
+    return manifest
+
+
+def _remap_item(raw: dict[str, Any], remap: list[int]) -> Item:
+    from ..format.manifest import Region
+
+    def section(obj: dict[str, Any]) -> Section:
+        return Section(remap[obj["block"]], obj["offset"], obj["length"], obj["digest"])
+
+    return Item(
+        tensor=raw["tensor"],
+        region=Region.from_json(raw["region"], raw["tensor"]),
+        op=raw["op"],
+        count=raw["count"],
+        data=section(raw["data"]),
+        positions_length=raw["data"]["positions_length"],
+        pre=raw["pre"],
+        post=raw["post"],
+        repair=section(raw["repair"]) if raw.get("repair") else None,
+        residual=raw.get("residual"),
+        changed=raw.get("changed"),
+    )

@@ -1,0 +1,105 @@
+"""DCP's Hugging Face sharded safetensors (``HuggingFaceStorageWriter(save_distributed=True)``).
+
+Each ``shard-*.safetensors`` file holds, per fqn, one box of the HF tensor;
+``__metadata__["DCP_SHARDING_INFO"][fqn]["saved_offsets"]`` places it. The
+global shape is not written anywhere: it is the extent of the union of the
+boxes (which ``_check_cover`` then proves complete). No pickle is involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FormatError, IncompatibleError
+from ..format.dtypes import dtype as lookup_dtype
+from ..format.dtypes import numel
+from .safetensors_dir import read_header
+from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint, release_pages
+
+SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The sharded files of a DCP-HF export: in ``path`` itself, or in ``path/sharded`` when ``path``
+    holds no safetensors of its own (a directory with consolidated HF files is an HF checkpoint)."""
+    files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+    if not files:
+        files = sorted(p for p in (path / "sharded").glob("*.safetensors") if p.is_file())
+    if files and all(_has_sharding_info(p) for p in files):
+        return files
+    return []
+
+
+def _has_sharding_info(file: Path) -> bool:
+    try:
+        header, _ = read_header(file)
+    except FormatError:
+        return False
+    return SHARDING_KEY in (header.get("__metadata__") or {})
+
+
+class DcpHfReader(ShardReader):
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = str(root)
+        files = shard_files(Path(root))
+        if not files:
+            raise IncompatibleError(f"{root} holds no safetensors shards with {SHARDING_KEY}")
+        self._files = {p.name: p for p in files}
+        self._maps: dict[str, mmap.mmap] = {}
+        boxes: dict[str, list[Chunk]] = {}
+        dtypes: dict[str, str] = {}
+        for file in files:
+            header, data_start = read_header(file)
+            try:
+                info = json.loads(header["__metadata__"][SHARDING_KEY])
+            except (KeyError, TypeError, json.JSONDecodeError):
+                raise FormatError(f"{file}: {SHARDING_KEY} is not valid JSON") from None
+            size = file.stat().st_size
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                try:
+                    dt = lookup_dtype(meta["dtype"])
+                    shape = tuple(int(s) for s in meta["shape"])
+                    begin, end = (int(x) for x in meta["data_offsets"])
+                    offsets = tuple(int(x) for x in info[name]["saved_offsets"])
+                except (KeyError, TypeError, ValueError):
+                    raise FormatError(f"{file}: bad header or sharding entry for {name!r}") from None
+                if end - begin != numel(shape) * dt.itemsize or data_start + end > size or len(offsets) != len(shape):
+                    raise FormatError(f"{file}: entry {name!r} is truncated or inconsistent")
+                if dtypes.setdefault(name, dt.name) != dt.name:
+                    raise FormatError(f"{root}: {name} has two dtypes across shards")
+                boxes.setdefault(name, []).append(Chunk(offsets, shape, file.name, data_start + begin))
+        self.stored: dict[str, StoredTensor] = {}
+        for name, chunks in sorted(boxes.items()):
+            shape = tuple(max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes)))
+            check_chunks_disjoint(name, chunks, shape, self.root)
+            self.stored[name] = StoredTensor(name, dtypes[name], shape, chunks)
+
+    def read_chunk(self, key: str, chunk: Chunk) -> np.ndarray:
+        m = self._maps.get(chunk.file)
+        if m is None:
+            with open(self._files[chunk.file], "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[chunk.file] = m
+        dt = lookup_dtype(self.stored[key].dtype)
+        if not chunk.numel:
+            return np.empty(chunk.sizes, dtype=dt.uint)
+        return np.frombuffer(m, dtype=dt.uint, count=chunk.numel, offset=int(chunk.location)).reshape(chunk.sizes)  # type: ignore[arg-type]
+
+    def release(self, key: str, chunk: Chunk) -> None:
+        m = self._maps.get(chunk.file)
+        if m is not None:
+            release_pages(m, int(chunk.location), chunk.numel * lookup_dtype(self.stored[key].dtype).itemsize)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            with contextlib.suppress(BufferError):  # a view is still alive; it closes when collected
+                m.close()
+        self._maps.clear()

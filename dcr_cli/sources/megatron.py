@@ -1,0 +1,223 @@
+"""Megatron-core ``torch_dist`` checkpoints of Llama/Qwen3-style dense and MoE models.
+
+``torch_dist`` is a DCP directory (``.metadata`` + ``*.distcp``) whose keys are
+megatron-core's sharded keys. This module is the name-and-layout *profile*
+that maps them onto Hugging Face canonical tensors, as segments (index-only
+maps, format_spec/producers.md):
+
+- stacked layers: ``decoder.layers.*`` tensors carry a leading layer axis [L, ...];
+  layer ``l`` is the box ``[l:l+1, ...]`` with that axis dropped;
+- MoE expert tensors carry a second stacked axis [L, E, ...];
+- column/row tensor parallelism: only changes which chunks exist; segments are
+  in global coordinates, so any chunking projects through them;
+- ``linear_qkv`` rows interleave per query group ``[q_g (heads/group * d); k_g (d); v_g (d)]``:
+  3 x groups row blocks per layer;
+- SwiGLU ``linear_fc1`` is ``[gate; up]``: two row blocks;
+- vocab padding: rows >= vocab_size of the embedding and output layer are not canonical;
+- tied output layer: a duplicate of the embedding, checked (residual "tied"), never emitted.
+
+Value-changing conversions are residual: a stored dtype other than the HF one
+(cast, round-to-nearest-even by torch), and ``layernorm_zero_centered_gamma``
+(canonical = float32(stored) + 1, cast to the HF dtype).
+
+The model's dimensions come from the Hugging Face ``config.json`` of the
+receiver's model (``--profile``), optionally with a ``"megatron"`` object:
+``{"zero_centered_gamma": bool, "prefix": str}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError, IncompatibleError
+from .shards import CanonicalTensor, Segment, ShardReader
+
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+def looks_like_megatron(keys: list[str]) -> bool:
+    return any(k.endswith(EMBEDDING_KEY) for k in keys) and any("decoder.layers." in k for k in keys)
+
+
+def load_profile(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    if path is None:
+        raise IncompatibleError(
+            "a Megatron torch_dist checkpoint needs --profile CONFIG.json (the HF config.json of the model)"
+        )
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise IncompatibleError(f"cannot read the Megatron profile {p}: {exc}") from None
+
+
+_HF_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def _cast(src: str, dst: str, add_one: bool) -> Callable[[np.ndarray], np.ndarray]:
+    import torch
+
+    torch_of = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    uint_of = {2: torch.uint16, 4: torch.uint32}
+
+    def convert(stored: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(stored)).view(torch_of[src])
+        if add_one:
+            t = t.float() + 1.0
+        out = t.to(torch_of[dst])
+        return out.view(uint_of[out.element_size()]).numpy().view(f"<u{out.element_size()}")
+
+    return convert
+
+
+def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str, CanonicalTensor]:
+    stored = reader.stored
+    meg = config.get("megatron") or {}
+    prefix = meg.get("prefix")
+    if prefix is None:
+        hits = [k[: -len(EMBEDDING_KEY)] for k in stored if k.endswith(EMBEDDING_KEY)]
+        if len(hits) != 1:
+            raise IncompatibleError(f"{reader.root}: cannot find the one {EMBEDDING_KEY} of a Megatron checkpoint")
+        prefix = hits[0]
+    zero_centered = bool(meg.get("zero_centered_gamma", False))
+    try:
+        hidden = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        groups = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        vocab = int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IncompatibleError(f"Megatron profile lacks a model dimension: {exc}") from None
+    hf_dtype = _HF_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or ""))
+    tied = bool(config.get("tie_word_embeddings", False))
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    heads_per_group = heads // groups
+
+    out: dict[str, CanonicalTensor] = {}
+
+    def key(name: str) -> str:
+        return prefix + name
+
+    def need(*names: str) -> str:
+        """The first of alternative spellings (layer specs differ: local vs Transformer Engine) that is stored."""
+        for name in names:
+            if key(name) in stored:
+                return key(name)
+        raise IncompatibleError(
+            f"{reader.root}: Megatron key {key(names[0])!r} is missing (does --profile match the model?)"
+        )
+
+    def add(name: str, shape: tuple[int, ...], segments: list[Segment], norm: bool = False) -> None:
+        src = stored[segments[0].key].dtype
+        dst = hf_dtype or src
+        reasons = []
+        if src != dst:
+            reasons.append(f"dtype cast {src}->{dst}")
+        if norm and zero_centered:
+            reasons.append("zero-centred norm +1")
+        residual = ", ".join(reasons) or None
+        if residual:
+            check_dtype_support(src)
+            check_dtype_support(dst)
+        convert = _cast(src, dst, norm and zero_centered) if residual else None
+        out[name] = CanonicalTensor(name, dst, shape, segments, residual, convert, src if residual else None)
+
+    def whole(k: str, name: str, shape: tuple[int, ...], norm: bool = False) -> None:
+        zero = (0,) * len(shape)
+        add(name, shape, [Segment(k, zero, shape, name, zero)], norm)
+
+    def per_layer(k: str, name: str, shape: tuple[int, ...], norm: bool = False) -> None:
+        for layer in range(layers):
+            zero = (0,) * len(shape)
+            n = f"model.layers.{layer}.{name}"
+            add(n, shape, [Segment(k, (layer, *zero), (1, *shape), n, zero)], norm)
+
+    # embedding and output layer: crop the vocab padding
+    emb = need(EMBEDDING_KEY)
+    whole_emb = (vocab, hidden)
+    add("model.embed_tokens.weight", whole_emb, [Segment(emb, (0, 0), whole_emb, "model.embed_tokens.weight", (0, 0))])
+    out_key = key("output_layer.weight")
+    if not tied:
+        need("output_layer.weight")
+        whole(out_key, "lm_head.weight", whole_emb)
+    whole(need("decoder.final_layernorm.weight"), "model.norm.weight", (hidden,), norm=True)
+
+    att = "decoder.layers.self_attention."
+    input_norm = need(att + "linear_qkv.layer_norm_weight", "decoder.layers.input_layernorm.weight")
+    per_layer(input_norm, "input_layernorm.weight", (hidden,), norm=True)
+    qkv = need(att + "linear_qkv.weight")
+    rows_per_group = (heads_per_group + 2) * head_dim
+    if stored[qkv].shape[1] != groups * rows_per_group:
+        raise IncompatibleError(f"{qkv}: {stored[qkv].shape[1]} rows, the profile implies {groups * rows_per_group}")
+    for layer in range(layers):
+        q, k_, v = (f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in "qkv")
+        segs: dict[str, list[Segment]] = {q: [], k_: [], v: []}
+        q_rows = heads_per_group * head_dim
+        for g in range(groups):
+            base = g * rows_per_group
+            segs[q].append(Segment(qkv, (layer, base, 0), (1, q_rows, hidden), q, (g * q_rows, 0)))
+            segs[k_].append(Segment(qkv, (layer, base + q_rows, 0), (1, head_dim, hidden), k_, (g * head_dim, 0)))
+            segs[v].append(
+                Segment(qkv, (layer, base + q_rows + head_dim, 0), (1, head_dim, hidden), v, (g * head_dim, 0))
+            )
+        add(q, (heads * head_dim, hidden), segs[q])
+        add(k_, (groups * head_dim, hidden), segs[k_])
+        add(v, (groups * head_dim, hidden), segs[v])
+    per_layer(need(att + "linear_proj.weight"), "self_attn.o_proj.weight", (hidden, heads * head_dim))
+    if key(att + "q_layernorm.weight") in stored:
+        per_layer(key(att + "q_layernorm.weight"), "self_attn.q_norm.weight", (head_dim,), norm=True)
+        per_layer(need(att + "k_layernorm.weight"), "self_attn.k_norm.weight", (head_dim,), norm=True)
+
+    mlp = "decoder.layers.mlp."
+    if experts:
+        inter = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+        pre_mlp = need("decoder.layers.pre_mlp_layernorm.weight", mlp + "linear_fc1.layer_norm_weight")
+        per_layer(pre_mlp, "post_attention_layernorm.weight", (hidden,), True)
+        per_layer(need(mlp + "router.weight"), "mlp.gate.weight", (experts, hidden))
+        # grouped experts (TEGroupedMLP) or sequential local experts (SequentialMLP)
+        fc1 = need(mlp + "experts.linear_fc1.weight", mlp + "experts.experts.linear_fc1.weight")
+        fc2 = need(mlp + "experts.linear_fc2.weight", mlp + "experts.experts.linear_fc2.weight")
+        for layer in range(layers):
+            for e in range(experts):
+                pre = f"model.layers.{layer}.mlp.experts.{e}."
+                gate, up, down = pre + "gate_proj.weight", pre + "up_proj.weight", pre + "down_proj.weight"
+                add(gate, (inter, hidden), [Segment(fc1, (layer, e, 0, 0), (1, 1, inter, hidden), gate, (0, 0))])
+                add(up, (inter, hidden), [Segment(fc1, (layer, e, inter, 0), (1, 1, inter, hidden), up, (0, 0))])
+                add(down, (hidden, inter), [Segment(fc2, (layer, e, 0, 0), (1, 1, hidden, inter), down, (0, 0))])
+    else:
+        inter = int(config["intermediate_size"])
+        pre_mlp = need(mlp + "linear_fc1.layer_norm_weight", "decoder.layers.pre_mlp_layernorm.weight")
+        per_layer(pre_mlp, "post_attention_layernorm.weight", (hidden,), True)
+        fc1 = need(mlp + "linear_fc1.weight")
+        for layer in range(layers):
+            pre = f"model.layers.{layer}.mlp."
+            gate, up = pre + "gate_proj.weight", pre + "up_proj.weight"
+            add(gate, (inter, hidden), [Segment(fc1, (layer, 0, 0), (1, inter, hidden), gate, (0, 0))])
+            add(up, (inter, hidden), [Segment(fc1, (layer, inter, 0), (1, inter, hidden), up, (0, 0))])
+        per_layer(need(mlp + "linear_fc2.weight"), "mlp.down_proj.weight", (hidden, inter))
+    return out
+
+
+def tied_duplicates(reader: ShardReader, config: dict[str, Any]) -> list[tuple[str, str]]:
+    """(stored duplicate key, canonical tensor it must equal): checked on the residual path, never emitted."""
+    if not config.get("tie_word_embeddings"):
+        return []
+    prefix = (config.get("megatron") or {}).get("prefix")
+    if prefix is None:
+        prefix = next(k[: -len(EMBEDDING_KEY)] for k in reader.stored if k.endswith(EMBEDDING_KEY))
+    k = prefix + "output_layer.weight"
+    return [(k, "model.embed_tokens.weight")] if k in reader.stored else []
+
+
+def check_dtype_support(dt: str) -> None:
+    if dt not in ("BF16", "F16", "F32"):
+        raise FormatError(f"Megatron residual conversion from {dt} is not supported")
