@@ -89,6 +89,7 @@ def diff(
     profile: dict | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    on_block: Callable[[str, bytes], None] | None = None,
 ) -> DiffSummary | None:
     """Write a delta that turns checkpoint ``base`` into checkpoint ``new``.
 
@@ -99,6 +100,8 @@ def diff(
     stored bits (e.g. they cast or quantize): those travel as absolute values.
     With ``rank``/``world_size`` this process writes only its part of the delta
     and returns None (``dcr_cli.delta.parts.assemble`` merges the parts).
+    ``on_block(id, data)`` sees every block as soon as it is written, so that
+    sending can overlap building (``dcr_cli.store.BlockUploader``).
     """
     from .sources import detect_format, open_source
 
@@ -123,6 +126,7 @@ def diff(
                 progress=progress,
                 rank=rank,
                 world_size=world_size,
+                on_block=on_block,
             )
         finally:
             b_src.reader.close()
@@ -172,7 +176,7 @@ def diff(
                 for start, stop in chunk_ranges(loc.numel, lookup_dtype(loc.dtype).itemsize):
                     yield region_task(name, start, stop, op)
 
-        writer = DeltaWriter(out)
+        writer = DeltaWriter(out, on_block=on_block)
         try:
             for result in ordered_parallel(tasks(), workers):
                 if result is not None:

@@ -87,6 +87,7 @@ def diff_shard_checkpoints(
     progress: Progress | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    on_block: Callable[[str, bytes], None] | None = None,
 ) -> DiffSummary | None:
     """Diff two training checkpoints in canonical coordinates. Returns None when only a part was written."""
     workers = workers or default_workers()
@@ -220,7 +221,7 @@ def diff_shard_checkpoints(
 
         writer = DeltaWriter(part_dir(out, rank))
     else:
-        writer = DeltaWriter(out)
+        writer = DeltaWriter(out, on_block=on_block)
     try:
         for items in ordered_parallel(tasks(), workers):
             for item in items:

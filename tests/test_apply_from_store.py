@@ -46,3 +46,34 @@ def test_apply_from_s3_store_with_ack_then_commit(s3_endpoint: S3Endpoint, s3_ur
     json_out(run_dcr("push", str(deltas[1]), s3_url, "--json", env=env))
     json_out(run_dcr("apply", s3_url, "--into", str(receiver), "--json", env=env))
     assert read_bits(receiver) == read_bits(ckpts[2])
+
+
+def test_diff_push_overlaps_upload_and_publishes(s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path) -> None:
+    env = s3_endpoint.env()
+    ckpts, _ = make_deltas(tmp_path / "src", 1)
+    out = json_out(
+        run_dcr(
+            "diff",
+            str(ckpts[0]),
+            str(ckpts[1]),
+            "-o",
+            str(tmp_path / "d1"),
+            "--base-version",
+            "v0",
+            "--target-version",
+            "v1",
+            "--push",
+            s3_url,
+            "--json",
+            env=env,
+        )
+    )
+    # Every block went up while the diff ran; the push afterwards found them all in place.
+    assert out["push"]["uploaded_blocks"] == 0 and out["push"]["present_blocks"] > 0
+    assert [e["version"] for e in json_out(run_dcr("log", s3_url, "--json", env=env))] == ["v1"]
+    pulled = json_out(run_dcr("pull", s3_url, "-o", str(tmp_path / "got"), "--json", env=env))
+    assert pulled["version"] == "v1"
+    receiver = tmp_path / "receiver"
+    shutil.copytree(ckpts[0], receiver)
+    json_out(run_dcr("apply", str(tmp_path / "got"), "--into", str(receiver), "--json", env=env))
+    assert read_bits(receiver) == read_bits(ckpts[1])

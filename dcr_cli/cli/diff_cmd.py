@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 
 from .common import byte_progress, emit_json, handle_errors, human_bytes
+from .store_options import parse_storage_options, storage_options
 
 FORMAT_CHOICES = ("hf", "dcp", "dcp-hf", "megatron")
 
@@ -61,6 +63,13 @@ def _env_int(name: str) -> int | None:
     help="With --rank: the producer that writes the last part assembles the delta (default), or leave it"
     " to `dcr assemble OUT`.",
 )
+@click.option(
+    "--push",
+    "push_url",
+    metavar="URL",
+    help="Publish the delta on this store, uploading blocks while the diff is still running (as dcr push).",
+)
+@storage_options
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on a terminal.")
 @handle_errors
@@ -80,6 +89,8 @@ def command(
     rank: int | None,
     world_size: int | None,
     assemble: bool,
+    push_url: str | None,
+    storage_option: tuple[str, ...],
     as_json: bool,
     progress: bool,
 ) -> None:
@@ -97,6 +108,13 @@ def command(
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
     if (rank is None) != (world_size is None) or (rank is not None and world_size is not None and rank >= world_size):
         raise IncompatibleError("give --rank and --world-size together, with rank < world size")
+    uploader = None
+    if push_url:
+        if rank is not None:
+            raise IncompatibleError("--push publishes a whole delta: run dcr push OUT URL after dcr assemble")
+        from ..store import BlockUploader
+
+        uploader = BlockUploader(push_url, parse_storage_options(storage_option))
     config = None
     if profile is not None:
         from ..sources.megatron import load_profile
@@ -125,7 +143,14 @@ def command(
             profile=config,
             rank=rank,
             world_size=world_size,
+            on_block=uploader,
         )
+    pushed = None
+    if uploader is not None:
+        from ..store import push
+
+        uploader.wait()
+        pushed = push(out, push_url, storage_options=parse_storage_options(storage_option))  # type: ignore[arg-type]
     if summary is None:
         from ..delta.parts import part_dir, try_assemble_last
 
@@ -138,13 +163,18 @@ def command(
             return
         from ..diff import summarize
 
-        summary = summarize(__import__("pathlib").Path(out), manifest)
+        summary = summarize(Path(out), manifest)
     if as_json:
-        emit_json(summary.to_json())
-    else:
+        emit_json({**summary.to_json(), **({"push": pushed.to_json()} if pushed else {})})
+        return
+    click.echo(
+        f"{summary.delta}: {summary.base_version} -> {summary.target_version}, "
+        f"{summary.changed_elements}/{summary.total_elements} elements changed ({summary.change_rate:.3%}), "
+        f"{human_bytes(summary.payload_bytes + summary.manifest_bytes)} "
+        f"({summary.full_bytes / max(1, summary.payload_bytes + summary.manifest_bytes):.1f}x smaller than full)"
+    )
+    if pushed is not None and uploader is not None:
         click.echo(
-            f"{summary.delta}: {summary.base_version} -> {summary.target_version}, "
-            f"{summary.changed_elements}/{summary.total_elements} elements changed ({summary.change_rate:.3%}), "
-            f"{human_bytes(summary.payload_bytes + summary.manifest_bytes)} "
-            f"({summary.full_bytes / max(1, summary.payload_bytes + summary.manifest_bytes):.1f}x smaller than full)"
+            f"{push_url}: published {pushed.version} (base {pushed.base}); {uploader.uploaded_blocks} blocks "
+            f"uploaded during the diff, {pushed.uploaded_blocks} after it"
         )

@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,17 @@ class DeltaWriter:
     in a deterministic order gives byte-identical deltas for identical inputs.
     """
 
-    def __init__(self, out: str | os.PathLike[str], *, block_bytes: int = TARGET_BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        block_bytes: int = TARGET_BLOCK_BYTES,
+        on_block: Callable[[str, bytes], None] | None = None,
+    ) -> None:
+        """``on_block(id, data)`` is called with every block as soon as it is on disk (e.g. to start its
+        upload while the rest of the delta is still being computed)."""
         self.out = Path(out)
+        self.on_block = on_block
         if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
             raise ConflictError(f"{self.out} already exists; choose a new output path or remove it")
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +118,8 @@ class DeltaWriter:
                 f.flush()
                 os.fsync(f.fileno())
         self._blocks.append(BlockEntry(block_id, len(data), role))
+        if self.on_block is not None:
+            self.on_block(block_id, data)
         return len(self._blocks) - 1
 
     def add(self, item: EncodedItem) -> None:

@@ -4,9 +4,11 @@ from .check import CheckResult, check
 from .commit import CommitResult, VersionInfo, acknowledge, commit, committed_base, log, status
 from .gc import GcResult, gc
 from .repo import Ref, Store, VersionRecord
+from .streaming import BlockUploader
 from .transfer import PullResult, PushResult, is_store, open_delta, open_version, pull, pull_since, push
 
 __all__ = [
+    "BlockUploader",
     "CheckResult",
     "CommitResult",
     "GcResult",
