@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers_checkpoints import write_checkpoint
 
 import dcr_cli
-from dcr_cli.diff import diff
+from dcr_cli.differ import diff
 from dcr_cli.receivers import checkpoint as receiver
 from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 

@@ -31,7 +31,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from dcr_cli.diff import diff
+from dcr_cli.differ import diff
 from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 
 

@@ -120,7 +120,7 @@ def main() -> None:
     import torch.multiprocessing as mp
     from shard_writers import free_port
 
-    from dcr_cli.diff import diff
+    from dcr_cli.differ import diff
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-shards-"))
     if not (work / "target" / "hf").exists():

@@ -11,6 +11,10 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _API = {
+    # producer
+    "diff": "differ",
+    "assemble": "delta.parts",
+    "inspect": "report",
     # receivers
     "apply": "receivers.checkpoint",
     "verify": "receivers.verify",

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .delta.writer import DeltaWriter
-from .diff import CHUNK_BYTES, DiffSummary, Progress, chunk_ranges, default_workers, ordered_parallel, summarize
+from .differ import CHUNK_BYTES, DiffSummary, Progress, chunk_ranges, default_workers, ordered_parallel, summarize
 from .errors import IncompatibleError
 from .format.codec import DEFAULT_LEVEL, EncodedItem, diff_region
 from .format.digest import StreamingDigest

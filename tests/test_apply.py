@@ -29,7 +29,7 @@ import dcr_cli
 from dcr_cli.cli import main
 from dcr_cli.delta.reader import Delta
 from dcr_cli.delta.writer import DeltaWriter
-from dcr_cli.diff import diff
+from dcr_cli.differ import diff
 from dcr_cli.errors import ConflictError, FormatError, IncompatibleError, IntegrityError
 from dcr_cli.format.codec import diff_region
 from dcr_cli.format.digest import digest_bytes

@@ -13,7 +13,7 @@ from shard_oracle import assert_oracle
 from shard_writers import write_fsdp_checkpoints
 
 from dcr_cli.delta.reader import Delta
-from dcr_cli.diff import diff
+from dcr_cli.differ import diff
 from dcr_cli.errors import FormatError, IncompatibleError
 from dcr_cli.sources import detect_format
 

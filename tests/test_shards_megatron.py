@@ -16,9 +16,9 @@ from shard_writers import megatron_globals, megatron_to_hf, mutate_megatron, wri
 
 from dcr_cli.delta.parts import assemble
 from dcr_cli.delta.reader import Delta
-from dcr_cli.diff import diff
+from dcr_cli.differ import diff
 from dcr_cli.errors import IncompatibleError
-from dcr_cli.inspect import inspect
+from dcr_cli.report import inspect
 from dcr_cli.sources import detect_format
 
 COMMON = dict(

@@ -20,8 +20,8 @@ from shard_writers import full_tensors_from_dcp, megatron_to_hf, write_real_mega
 
 from dcr_cli.delta.parts import assemble
 from dcr_cli.delta.reader import Delta
-from dcr_cli.diff import diff
-from dcr_cli.inspect import inspect
+from dcr_cli.differ import diff
+from dcr_cli.report import inspect
 
 require_or_skip("megatron.core.dist_checkpointing")
 

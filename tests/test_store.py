@@ -156,7 +156,7 @@ def test_stale_version_cannot_be_committed(tmp_path: Path) -> None:
     from safetensors.numpy import load_file
     from store_fixtures import step, write_checkpoint
 
-    from dcr_cli.diff import diff
+    from dcr_cli.differ import diff
 
     other = write_checkpoint(tmp_path / "other", step(load_file(str(ckpts[0] / "model.safetensors")), 999))
     diff(ckpts[0], other, tmp_path / "d1b", base_version="v0", target_version="v1b", workers=1)
@@ -201,7 +201,7 @@ def test_gc_keeps_what_live_versions_need(tmp_path: Path) -> None:
     """v1: A->B, v2: B->A, v3: A->B. XOR data is symmetric, so v3 shares blocks with v1 (and v2's data)."""
     from store_fixtures import base_tensors, step, write_checkpoint
 
-    from dcr_cli.diff import diff
+    from dcr_cli.differ import diff
 
     a = base_tensors(3)
     b = step(a, 4)
@@ -288,7 +288,7 @@ def test_racing_pushes_meet_at_the_create_only_record(s3_endpoint: S3Endpoint, s
     from safetensors.numpy import load_file
     from store_fixtures import step, write_checkpoint
 
-    from dcr_cli.diff import diff
+    from dcr_cli.differ import diff
 
     ckpts, (d1,) = make_deltas(tmp_path, 1)
     rival = write_checkpoint(tmp_path / "rival", step(load_file(str(ckpts[0] / "model.safetensors")), 5))

@@ -12,7 +12,7 @@ from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, write_c
 
 import dcr_cli
 from dcr_cli.cli import main
-from dcr_cli.diff import diff
+from dcr_cli.differ import diff
 from dcr_cli.errors import IncompatibleError
 from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 

@@ -100,7 +100,7 @@ def command(
     (PyTorch DCP, DCP's HF shards, Megatron torch_dist); training checkpoints are
     read shard by shard and the delta is in HF (canonical) coordinates.
     """
-    from ..diff import diff
+    from ..differ import diff
     from ..errors import IncompatibleError
     from ..sources import detect_format
 
@@ -161,7 +161,7 @@ def command(
         manifest = try_assemble_last(out)
         if manifest is None:
             return
-        from ..diff import summarize
+        from ..differ import summarize
 
         summary = summarize(Path(out), manifest)
     if as_json:

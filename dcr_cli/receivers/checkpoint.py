@@ -37,7 +37,7 @@ import numpy as np
 
 from ..delta.reader import Delta
 from ..delta.writer import fsync_dir, write_atomic
-from ..diff import default_workers
+from ..differ import default_workers
 from ..errors import ConflictError, FormatError, IncompatibleError, IntegrityError, VerifyFailed
 from ..format.codec import apply_values
 from ..format.digest import digest_bytes, is_digest

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..diff import default_workers, ordered_parallel
+from ..differ import default_workers, ordered_parallel
 from ..errors import IncompatibleError
 from ..format.digest import digest_bytes
 from ..format.manifest import TensorEntry, fingerprint
