@@ -9,7 +9,9 @@ moved by one BF16 ulp. For each pair it reports, measured side by side in one ru
   (per tensor: log2 C(n, k) for the positions + k times the order-0 entropy of the XOR values),
   and of a NeMo-RL-style codec (delta-coded u32 positions + XOR values, zstd level 1) to the delta;
 - diff throughput on one core as a ratio to a plain numpy XOR-and-count pass over the same bytes
-  (the memory-bandwidth reference), both reading the same memory-mapped files from page cache.
+  (the memory-bandwidth reference), both reading the same memory-mapped files from page cache:
+  for the whole `dcr diff` (thr/ref: target digests, codec, blocks and manifest written and fsynced),
+  for the codec alone (codec/ref: change scan and encoding), and for the target tensor digests alone.
 
     python benchmarks/bench_diff.py [--steps 5] [--size small] [--json out.json]
 """
@@ -31,7 +33,12 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from dcr_cli.differ import diff
+import blake3
+
+from dcr_cli.differ import chunk_ranges, diff
+from dcr_cli.format.codec import diff_region
+from dcr_cli.format.dtypes import dtype as lookup_dtype
+from dcr_cli.format.manifest import Region
 from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 
 
@@ -69,6 +76,19 @@ def reference_pass(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> int:
     return sum(int(np.count_nonzero(a.view(n) ^ b.view(n))) for n in a.tensors)
 
 
+def encode_pass(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> None:
+    """Change detection and encoding alone (the codec), one thread, no digests of whole tensors, no I/O."""
+    for name, loc in b.tensors.items():
+        for start, stop in chunk_ranges(loc.numel, lookup_dtype(loc.dtype).itemsize):
+            diff_region(name, Region.range(start, stop), a.view(name, start, stop), b.view(name, start, stop))
+
+
+def digest_pass(b: SafetensorsCheckpoint) -> None:
+    """The target tensor table: BLAKE3 of every tensor of the new checkpoint, on one thread."""
+    for name in b.tensors:
+        blake3.blake3(b.view(name).view(np.uint8), max_threads=1).digest()
+
+
 def best_of(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -83,6 +103,8 @@ def measure(base: Path, new: Path, work: Path, label: str, repeat: int) -> dict:
         full = sum(t.nbytes for t in b.tensors.values())
         reference_pass(a, b)  # warm the page cache for both sides
         t_ref = best_of(lambda: reference_pass(a, b), repeat)
+        t_encode = best_of(lambda: encode_pass(a, b), repeat)
+        t_digest = best_of(lambda: digest_pass(b), repeat)
         bound = entropy_bound_bytes(a, b)
         nemo = nemo_style_bytes(a, b)
 
@@ -109,6 +131,8 @@ def measure(base: Path, new: Path, work: Path, label: str, repeat: int) -> dict:
         "diff_seconds_1core": t_dcr,
         "reference_seconds": t_ref,
         "throughput_vs_reference": t_ref / t_dcr,
+        "codec_only_vs_reference": t_ref / t_encode,
+        "target_digests_vs_reference": t_ref / t_digest,
         "full_mib": full / 2**20,
     }
 
@@ -150,7 +174,7 @@ def main() -> None:
             rows.append(measure(ckpts[0], stressed, work, f"inject-{rate:.0%}", args.repeat))
     header = (
         f"{'case':<12}{'changed':>9}{'delta KiB':>11}{'full/delta':>11}{'vs bound':>10}"
-        f"{'nemo/dcr':>10}{'diff s':>9}{'ref s':>8}{'thr/ref':>9}"
+        f"{'nemo/dcr':>10}{'diff s':>9}{'ref s':>8}{'thr/ref':>9}{'codec/ref':>10}{'digest/ref':>11}"
     )
     print(f"model: {rows[0]['full_mib']:.1f} MiB BF16")
     print(header)
@@ -159,6 +183,7 @@ def main() -> None:
             f"{r['case']:<12}{r['change_rate']:>9.3%}{r['delta_bytes'] / 1024:>11.1f}{r['full_over_delta']:>11.1f}"
             f"{r['delta_over_entropy_bound']:>10.3f}{r['nemo_style_over_delta']:>10.2f}"
             f"{r['diff_seconds_1core']:>9.3f}{r['reference_seconds']:>8.3f}{r['throughput_vs_reference']:>9.2f}"
+            f"{r['codec_only_vs_reference']:>10.2f}{r['target_digests_vs_reference']:>11.2f}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
