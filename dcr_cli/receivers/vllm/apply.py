@@ -1,0 +1,324 @@
+"""Engine side: apply a delta to the weights resident in one vLLM worker, in place, exactly.
+
+Runs inside each vLLM worker process (one per tensor-parallel rank); normative description in
+format_spec/receiver-vllm.md. For every item of the delta:
+
+1. map its canonical positions to resident storage elements through the placement traced from
+   vLLM's own loader (``placement.py``), on every destination this rank holds;
+2. gather the current bits there (integer views) and, when there are several ranks, exchange
+   the pieces so every rank sees the item's whole pre-state and the same classification;
+3. classify by digest: ``post`` -> done; ``pre`` -> pending, new = base XOR mask (or the values);
+   anything else, or replicas that disagree -> torn, new = the absolute repair values;
+4. check digest(new) == ``post``, then write new bits only where a destination differs from them.
+
+An interrupted apply therefore resumes from any instant: finished items are skipped, torn ones
+are overwritten with absolute values, nothing is XORed twice, and replicated destinations (tied
+weights, TP replicas) all end with the same bits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...delta.reader import Delta
+from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
+from ...format.codec import apply_values
+from ...format.digest import StreamingDigest, digest_bytes
+from ...format.manifest import Item, TensorEntry, fingerprint
+from .placement import (
+    TORCH_DTYPES,
+    Placement,
+    check_layout_kept,
+    flat_storage,
+    int_dtype,
+    named_resident,
+    trace_placement,
+)
+
+# All-gather of a picklable object across the engine's ranks (identity on one rank).
+Exchange = Callable[[Any], list[Any]]
+
+
+def single_rank(obj: Any) -> list[Any]:
+    return [obj]
+
+
+@dataclass
+class EngineState:
+    """What this engine holds, as far as dcr knows. Unknown (None) until the first check."""
+
+    version: str | None = None
+    fingerprint: str | None = None
+    applying: dict[str, str] | None = None  # {"delta_id", "target"} while an apply is unfinished
+    table: dict[str, dict] = field(default_factory=dict)  # target tensor table of the last apply
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "table"}
+
+
+@dataclass
+class ApplyReport:
+    status: str  # "applied" | "resumed" | "noop"
+    version: str
+    fingerprint: str
+    items: int = 0
+    done: int = 0
+    applied: int = 0
+    repaired: int = 0
+    written_elements: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _write_elements(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """The only place dcr writes resident weights (tests inject failures here)."""
+    flat[index] = values
+
+
+class EngineReceiver:
+    """dcr's view of one worker's model: placements, the recorded version, apply and read-back."""
+
+    def __init__(self, model: torch.nn.Module, exchange: Exchange = single_rank) -> None:
+        self.model = model
+        self.exchange = exchange
+        self.state = EngineState()
+        self._placements: dict[str, Placement] = {}
+
+    # ------------------------------------------------------------------ placement
+
+    def placement(self, name: str, entry: TensorEntry) -> Placement:
+        dtype = TORCH_DTYPES[entry.dtype]
+        cached = self._placements.get(name)
+        if cached is not None and cached.shape == entry.shape and cached.dtype == dtype:
+            resident = named_resident(self.model)
+            if all(
+                p in resident and resident[p].untyped_storage().data_ptr() == ptr for p, ptr in cached.storages.items()
+            ):
+                return cached
+        placement = trace_placement(self.model, name, entry.shape, dtype)
+        self._placements[name] = placement
+        return placement
+
+    def gather(self, placement: Placement, canonical: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Current bits of ``canonical`` positions on each local destination: (positions hit, values)."""
+        resident = named_resident(self.model)
+        pieces = []
+        for dest in placement.destinations:
+            hit, index = dest.locate(canonical)
+            flat = flat_storage(resident[dest.param])
+            pieces.append((hit.nonzero().flatten().numpy(), _as_uint(flat[index.to(flat.device)])))
+        return pieces
+
+    def assemble(self, placement: Placement, count: int, canonical: torch.Tensor) -> tuple[np.ndarray, bool]:
+        """The item's elements as held by the engine (all ranks), and whether replicas disagree."""
+        local = self.gather(placement, canonical)
+        uint = np.dtype(f"<u{placement.dtype.itemsize}")
+        values = np.zeros(count, dtype=uint)
+        seen = np.zeros(count, dtype=bool)
+        divergent = False
+        for rank_pieces in self.exchange(local):
+            for where, got in rank_pieces:
+                again = seen[where]
+                if again.any() and not np.array_equal(values[where[again]], got[again]):
+                    divergent = True
+                values[where[~again]] = got[~again]
+                seen[where] = True
+        if not seen.all():
+            raise IncompatibleError(
+                f"{placement.name}: {int((~seen).sum())} elements are held by no rank of this engine; "
+                "is it a parallel layout dcr does not know (pipeline parallel)?"
+            )
+        return values, divergent
+
+    def write(self, placement: Placement, canonical: torch.Tensor, new: np.ndarray) -> int:
+        """Write ``new`` at every local destination of ``canonical``, only where the bits differ."""
+        resident = named_resident(self.model)
+        written = 0
+        for dest in placement.destinations:
+            hit, index = dest.locate(canonical)
+            if not index.numel():
+                continue
+            flat = flat_storage(resident[dest.param])
+            index = index.to(flat.device)
+            want = torch.from_numpy(new[hit.numpy()].view(_np_int(placement.dtype))).to(flat.device)
+            differs = flat[index] != want
+            if bool(differs.any()):
+                _write_elements(flat, index[differs], want[differs])
+                written += int(differs.sum())
+        return written
+
+    def read_tensor(self, name: str, entry: TensorEntry) -> np.ndarray:
+        """The whole canonical tensor as the engine holds it (all ranks), C order, unsigned view.
+
+        Copies each destination view into the matching view of a canonical buffer (integer dtype,
+        so bit for bit); memory is one tensor, not an index table.
+        """
+        placement = self.placement(name, entry)
+        resident = named_resident(self.model)
+        local = []
+        for dest in placement.destinations:
+            flat = flat_storage(resident[dest.param])
+            held = torch.as_strided(flat, dest.dst_size, dest.dst_stride, dest.dst_offset)
+            local.append((dest, held.cpu().contiguous()))
+        out = torch.zeros(placement.numel, dtype=int_dtype(placement.dtype))
+        seen = torch.zeros(placement.numel, dtype=torch.bool)
+        for rank_pieces in self.exchange(local):
+            for dest, held in rank_pieces:
+                out_view = torch.as_strided(out, dest.src_size, dest.src_stride, dest.src_offset)
+                seen_view = torch.as_strided(seen, dest.src_size, dest.src_stride, dest.src_offset)
+                if bool(seen_view.any()) and not torch.equal(out_view[seen_view], held[seen_view]):
+                    raise IntegrityError(f"{name}: the engine's replicas of this tensor hold different bits")
+                out_view.copy_(held)
+                seen_view.fill_(True)
+        if not bool(seen.all()):
+            raise IncompatibleError(f"{name}: {int((~seen).sum())} elements are held by no rank of this engine")
+        return _as_uint(out)
+
+    # ------------------------------------------------------------------ version
+
+    def fingerprint_resident(self, table: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+        """Digest every tensor of ``table``'s layout as the engine holds it (the base, established)."""
+        return {
+            name: TensorEntry(entry.dtype, entry.shape, digest_bytes(self.read_tensor(name, entry)))
+            for name, entry in sorted(table.items())
+        }
+
+    def check(self, delta: Delta) -> str:
+        """Every check before the first write. Returns "apply", "resume" or "noop"."""
+        m = delta.manifest
+        self.agree(lambda: self._check_local(delta))
+        applying = self.state.applying
+        if applying is not None:
+            if applying["delta_id"] == delta.id:
+                return "resume"
+            raise IncompatibleError(
+                f"an apply of the delta to version {applying['target']} was interrupted on this engine; "
+                "re-run that delta to finish it first"
+            )
+        if self.state.fingerprint is None:
+            held = fingerprint(self.fingerprint_resident(m.tensors))
+            if held == m.target.fingerprint:
+                self._reached(m.target.version, held, m.tensors)
+            elif held == m.base.fingerprint:
+                self.state.version, self.state.fingerprint = m.base.version, held
+            else:
+                raise IncompatibleError(
+                    f"the engine holds fingerprint {held[:16]}…, which is neither the delta's base "
+                    f"{m.base.version} ({m.base.fingerprint[:16]}…) nor its target; reload the engine "
+                    "from the base checkpoint or apply the missing deltas first"
+                )
+        if self.state.fingerprint == m.target.fingerprint:
+            return "noop"
+        if self.state.fingerprint != m.base.fingerprint:
+            raise IncompatibleError(
+                f"the engine is at version {self.state.version} ({(self.state.fingerprint or '')[:16]}…), "
+                f"the delta needs base {m.base.version} ({m.base.fingerprint[:16]}…); apply the deltas in "
+                "between first"
+            )
+        return "apply"
+
+    def _check_local(self, delta: Delta) -> None:
+        m = delta.manifest
+        check_layout_kept(self.model)
+        if fingerprint(m.tensors) != m.target.fingerprint:
+            raise FormatError(f"{delta.url}: the tensor table does not match the target fingerprint")
+        for name, entry in m.tensors.items():
+            if entry.dtype not in TORCH_DTYPES:
+                raise FormatError(f"{name}: unsupported dtype {entry.dtype}")
+            self.placement(name, entry)  # rejects what cannot be applied exactly, before any write
+        delta.verify_blocks()
+
+    def agree(self, local_check: Callable[[], None]) -> None:
+        """Run a check on every rank and fail on all of them if it fails on one (no rank is left waiting)."""
+        error: DcrError | None = None
+        try:
+            local_check()
+        except DcrError as exc:
+            error = exc
+        failures = [e for e in self.exchange(error) if e is not None]
+        if failures:
+            raise failures[0]
+
+    def _reached(self, version: str, fp: str, table: dict[str, TensorEntry]) -> None:
+        self.state.version, self.state.fingerprint, self.state.applying = version, fp, None
+        self.state.table = {n: t.to_json() for n, t in table.items()}
+
+    # ------------------------------------------------------------------ apply
+
+    @torch.no_grad()
+    def apply(self, delta: Delta) -> ApplyReport:
+        started = time.perf_counter()
+        m = delta.manifest
+        mode = self.check(delta)
+        if mode == "noop":
+            assert self.state.fingerprint is not None
+            return ApplyReport("noop", m.target.version, self.state.fingerprint)
+        self.state.applying = {"delta_id": delta.id, "target": m.target.version}
+        report = ApplyReport("resumed" if mode == "resume" else "applied", m.target.version, m.target.fingerprint)
+        for name, items in delta.items_by_tensor():
+            placement = self.placement(name, m.tensors[name])
+            for item in items:
+                kind, written = self.apply_item(delta, item, placement)
+                setattr(report, kind, getattr(report, kind) + 1)
+                report.items += 1
+                report.written_elements += written
+        self._reached(m.target.version, m.target.fingerprint, m.tensors)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def apply_item(self, delta: Delta, item: Item, placement: Placement) -> tuple[str, int]:
+        decoded = delta.decode(item)
+        positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
+        canonical = torch.from_numpy(item.region.to_canonical(positions, placement.shape))
+        current, divergent = self.assemble(placement, len(positions), canonical)
+        state = None if divergent else digest_bytes(current)
+        if state == item.post:
+            return "done", 0
+        if state == item.pre:
+            new, kind = apply_values(item.op, current, decoded.values), "applied"
+        elif item.op == "xor":
+            if item.repair is None:
+                raise IntegrityError(f"{item.tensor}: a torn item needs its repair section, which is missing")
+            new, kind = delta.repair_values(item), "repaired"
+        else:
+            new, kind = decoded.values, "repaired"  # overwrite and replace carry absolute values
+        if digest_bytes(new) != item.post:
+            raise IntegrityError(
+                f"{item.tensor} {item.region.to_json()}: computed values do not match the delta's post digest; "
+                "the delta is corrupt or the weights changed during the apply"
+            )
+        return kind, self.write(placement, canonical, new)
+
+    # ------------------------------------------------------------------ verify
+
+    def verify(self, table: dict[str, TensorEntry] | None = None) -> dict[str, Any]:
+        """Read every canonical tensor back through its placement and compare digests."""
+        if table is None:
+            if not self.state.table:
+                raise DcrError("this engine has no recorded version yet; pass the delta to verify against")
+            table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in self.state.table.items()}
+        check_layout_kept(self.model)
+        mismatched = []
+        for name, entry in sorted(table.items()):
+            digest = StreamingDigest()
+            digest.update(self.read_tensor(name, entry))
+            if digest.hexdigest() != entry.digest:
+                mismatched.append(name)
+        return {"tensors": len(table), "mismatched": mismatched, "fingerprint": fingerprint(table)}
+
+
+def _np_int(dtype: torch.dtype) -> np.dtype:
+    return {1: np.dtype(np.uint8), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}[dtype.itemsize]
+
+
+def _as_uint(values: torch.Tensor) -> np.ndarray:
+    array = values.cpu().numpy()
+    return array.view(np.dtype(f"<u{array.dtype.itemsize}"))
