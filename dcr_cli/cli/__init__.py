@@ -20,10 +20,13 @@ def main() -> None:
 
 
 def _register() -> None:
-    from . import diff_cmd, inspect_cmd
+    from . import diff_cmd, inspect_cmd, vllm_cmd
 
     for module in (diff_cmd, inspect_cmd):
         main.add_command(module.command)
+    # Until apply/verify carry --vllm themselves (vllm_cmd.apply_vllm / verify_vllm).
+    main.add_command(vllm_cmd.apply_command)
+    main.add_command(vllm_cmd.verify_command)
 
 
 _register()

@@ -139,6 +139,6 @@ def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
             return {"ok": True, **receiver.verify(table)}
         raise DcrError(f"unknown dcr_rpc op {op!r}")
     except DcrError as exc:
-        return {"ok": False, "error": str(exc), "exit_code": exc.exit_code}
+        return {"ok": False, "error": str(exc), "kind": type(exc).__name__}
     except Exception as exc:
-        return {"ok": False, "error": _one_line(exc), "exit_code": 2, "traceback": traceback.format_exc()[-2000:]}
+        return {"ok": False, "error": _one_line(exc), "kind": "DcrError", "traceback": traceback.format_exc()[-2000:]}

@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from ... import errors
 from ...delta.reader import Delta
 from ...errors import DcrError, IncompatibleError, VerifyFailed
 
@@ -42,9 +43,10 @@ def _answers(results: list[Any]) -> list[dict[str, Any]]:
     answers = [r if isinstance(r, dict) else {"ok": False, "error": str(r)} for r in results]
     for answer in answers:
         if not answer.get("ok"):
-            error = DcrError(f"vLLM engine: {answer.get('error')}")
-            error.exit_code = int(answer.get("exit_code", 2))
-            raise error
+            kind = getattr(errors, str(answer.get("kind")), DcrError)
+            if not (isinstance(kind, type) and issubclass(kind, DcrError)):
+                kind = DcrError
+            raise kind(f"vLLM engine: {answer.get('error')}")
     return answers
 
 
