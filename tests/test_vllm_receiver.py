@@ -133,11 +133,23 @@ def test_tied_llama_chain_is_bit_identical_to_fresh_engine(llama_tied):
     _chain_matches_fresh_engine(llama_tied)
 
 
-def test_engine_that_casts_on_load_is_refused_before_any_write(qwen3):
-    # A float32 engine on a BF16 checkpoint: the loader casts, so a mask on stored bits cannot carry over.
+def test_float32_engine_takes_the_exact_overwrite_path(qwen3):
+    # A float32 engine on BF16 checkpoints: the loader casts, so no mask on stored bits carries over.
+    # dcr reads the values back through the (exactly invertible) cast and writes absolute values.
     llm = start_llm(qwen3[0], dtype="float32")
+    reports = [apply_to_llm(llm, qwen3[0].parent / f"d{i}") for i in range(1, len(qwen3))]
+    assert all(r["status"] == "applied" for r in reports)
+    verify_llm(llm)
+    fresh = start_llm(qwen3[-1], dtype="float32")
+    assert differing(resident_bits(llm), resident_bits(fresh)) == []
+    assert greedy(llm) == greedy(fresh)
+
+
+def test_narrowing_cast_is_refused_before_any_write(qwen3):
+    # float16 cannot hold every BF16 value: the loader's cast is lossy, so dcr refuses the engine.
+    llm = start_llm(qwen3[0], dtype="float16")
     before = resident_bits(llm)
-    with pytest.raises(IncompatibleError, match=r"casts torch\.bfloat16 to torch\.float32"):
+    with pytest.raises(IncompatibleError, match=r"casts torch\.bfloat16 to torch\.float16"):
         apply_to_llm(llm, qwen3[0].parent / "d1")
     assert differing(resident_bits(llm), before) == []
 

@@ -9,6 +9,8 @@ format_spec/receiver-vllm.md. For every item of the delta:
    the pieces so every rank sees the item's whole pre-state and the same classification;
 3. classify by digest: ``post`` -> done; ``pre`` -> pending, new = base XOR mask (or the values);
    anything else, or replicas that disagree -> torn, new = the absolute repair values;
+   where the loader widens the dtype (a BF16 checkpoint in an FP32 engine), XOR is never used:
+   new = the absolute repair values, written as the loader writes them (the same cast);
 4. check digest(new) == ``post``, then write new bits only where a destination differs from them.
 
 An interrupted apply therefore resumes from any instant: finished items are skipped, torn ones
@@ -33,6 +35,7 @@ from ...format.digest import StreamingDigest, digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
 from .placement import (
     TORCH_DTYPES,
+    Destination,
     Placement,
     check_layout_kept,
     flat_storage,
@@ -114,7 +117,8 @@ class EngineReceiver:
         for dest in placement.destinations:
             hit, index = dest.locate(canonical)
             flat = flat_storage(resident[dest.param])
-            pieces.append((hit.nonzero().flatten().numpy(), _as_uint(flat[index.to(flat.device)])))
+            held = _to_canonical(flat[index.to(flat.device)], dest, placement.dtype)
+            pieces.append((hit.nonzero().flatten().numpy(), _as_uint(held)))
         return pieces
 
     def assemble(self, placement: Placement, count: int, canonical: torch.Tensor) -> tuple[np.ndarray, bool]:
@@ -149,6 +153,8 @@ class EngineReceiver:
             flat = flat_storage(resident[dest.param])
             index = index.to(flat.device)
             want = torch.from_numpy(new[hit.numpy()].view(_np_int(placement.dtype))).to(flat.device)
+            if dest.cast(placement.dtype):  # write what the loader writes: the same cast of the value
+                want = want.view(placement.dtype).to(dest.dst_dtype).view(flat.dtype)
             differs = flat[index] != want
             if bool(differs.any()):
                 _write_elements(flat, index[differs], want[differs])
@@ -167,7 +173,7 @@ class EngineReceiver:
         for dest in placement.destinations:
             flat = flat_storage(resident[dest.param])
             held = torch.as_strided(flat, dest.dst_size, dest.dst_stride, dest.dst_offset)
-            local.append((dest, held.cpu().contiguous()))
+            local.append((dest, _to_canonical(held, dest, placement.dtype).cpu().contiguous()))
         out = torch.zeros(placement.numel, dtype=int_dtype(placement.dtype))
         seen = torch.zeros(placement.numel, dtype=torch.bool)
         for rank_pieces in self.exchange(local):
@@ -282,7 +288,16 @@ class EngineReceiver:
         state = None if divergent else digest_bytes(current)
         if state == item.post:
             return "done", 0
-        if state == item.pre:
+        casts = any(d.cast(placement.dtype) for d in placement.destinations)
+        if item.op == "xor" and casts:
+            # Fail closed for XOR through a transforming loader: take the absolute values instead.
+            if item.repair is None:
+                raise IncompatibleError(
+                    f"{item.tensor}: the engine's loader casts this tensor and the item has no repair values; "
+                    "diff it with --overwrite for this engine"
+                )
+            new, kind = delta.repair_values(item), "applied" if state == item.pre else "repaired"
+        elif state == item.pre:
             new, kind = apply_values(item.op, current, decoded.values), "applied"
         elif item.op == "xor":
             if item.repair is None:
@@ -317,6 +332,13 @@ class EngineReceiver:
 
 def _np_int(dtype: torch.dtype) -> np.dtype:
     return {1: np.dtype(np.uint8), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}[dtype.itemsize]
+
+
+def _to_canonical(held: torch.Tensor, dest: Destination, canonical: torch.dtype) -> torch.Tensor:
+    """Integer bits of the canonical dtype for elements held in ``dest`` (undoing a widening cast)."""
+    if not dest.cast(canonical):
+        return held
+    return held.view(dest.dst_dtype).to(canonical).view(int_dtype(canonical))
 
 
 def _as_uint(values: torch.Tensor) -> np.ndarray:

@@ -5,9 +5,12 @@ under a ``TorchDispatchMode``. Every aten op that would write into a parameter o
 is recorded and **skipped**, so the model is left untouched. A write that is a same-dtype
 ``copy_`` from a strided view of the placeholder becomes a :class:`Destination`: an affine map
 from canonical flat indices to element indices of the parameter's storage (a few integers, no
-table). Anything else the loader does to resident storage means that it transforms values
-(casts, quantization, repacking, concatenation into temporaries) and the tensor is rejected:
-dcr cannot reproduce such a write exactly from a sparse delta.
+table). A ``copy_`` that widens floats (BF16 into an FP32 engine, say) is a destination too,
+marked ``cast``: its values can be read back exactly and written as the loader would write them,
+but never XORed (apply.py overwrites them with absolute values). Anything else the loader does to
+resident storage means that it transforms values (quantization, repacking, narrowing casts,
+concatenation into temporaries) and the tensor is rejected: dcr cannot reproduce such a write
+exactly from a sparse delta.
 
 The placement is whatever vLLM decides (tensor-parallel slices, fused qkv/gate_up, tied
 embeddings, experts); this module holds no model-specific knowledge.
@@ -48,6 +51,17 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
 }
 
+# Casts a loader may make that dcr can undo exactly: every value of the source dtype is a value of
+# the destination dtype (NaN payloads aside: a NaN that does not round-trip fails the digest checks,
+# which refuses or repairs; it is never applied by XOR).
+EXACT_WIDENING = {
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float32),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+
 # Integer dtypes of each width that torch can gather, compare and scatter (its unsigned types
 # above 8 bits lack most kernels). Bits are bits: the signed view is only a container.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -79,6 +93,7 @@ class Destination:
     """
 
     param: str
+    dst_dtype: torch.dtype  # the parameter's dtype; differs from the canonical one when ``cast``
     dst_offset: int
     dst_size: tuple[int, ...]
     dst_stride: tuple[int, ...]
@@ -92,6 +107,9 @@ class Destination:
         for s in self.dst_size:
             n *= s
         return n
+
+    def cast(self, canonical_dtype: torch.dtype) -> bool:
+        return self.dst_dtype != canonical_dtype
 
     def locate(self, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For int64 canonical flat indices: (mask of those this copy holds, their storage indices).
@@ -116,6 +134,7 @@ class Destination:
     def to_json(self) -> dict:
         return {
             "param": self.param,
+            "dtype": str(self.dst_dtype),
             "dst": [self.dst_offset, list(self.dst_size), list(self.dst_stride)],
             "src": [self.src_offset, list(self.src_size), list(self.src_stride)],
         }
@@ -167,7 +186,7 @@ class _PlanMode(TorchDispatchMode):
             src = args[1]
             if not isinstance(src, torch.Tensor) or storage_ptr(src) != self.placeholder_ptr:
                 self.rejections.append(f"the loader writes transformed values into {param} (not a view of the input)")
-            elif src.dtype != dst.dtype:
+            elif src.dtype != dst.dtype and (src.dtype, dst.dtype) not in EXACT_WIDENING:
                 self.rejections.append(f"the loader casts {src.dtype} to {dst.dtype} into {param}")
             elif src.size() != dst.size() or _overlaps(src):
                 self.rejections.append(f"the loader broadcasts the input into {param}")
@@ -175,6 +194,7 @@ class _PlanMode(TorchDispatchMode):
                 self.destinations.append(
                     Destination(
                         param,
+                        dst.dtype,
                         dst.storage_offset(),
                         tuple(dst.size()),
                         tuple(dst.stride()),
