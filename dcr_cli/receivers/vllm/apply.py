@@ -81,6 +81,16 @@ class ApplyReport:
         return asdict(self)
 
 
+@dataclass
+class Located:
+    """One destination's share of an item: which positions it holds and at which storage elements."""
+
+    dest: Destination
+    hit: torch.Tensor  # bool per item position
+    index: torch.Tensor  # storage element indices of the hit positions, on the parameter's device
+    flat: torch.Tensor  # the parameter's whole storage as integers
+
+
 def _write_elements(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """The only place dcr writes resident weights (tests inject failures here)."""
     flat[index] = values
@@ -94,6 +104,16 @@ class EngineReceiver:
         self.exchange = exchange
         self.state = EngineState()
         self._placements: dict[str, Placement] = {}
+        self._resident: dict[str, torch.Tensor] | None = None
+
+    def resident(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers by name; collected once per operation (walking modules is slow)."""
+        if self._resident is None:
+            self._resident = named_resident(self.model)
+        return self._resident
+
+    def _begin(self) -> None:
+        self._resident = None  # parameters may have been replaced since the last operation
 
     # ------------------------------------------------------------------ placement
 
@@ -101,7 +121,7 @@ class EngineReceiver:
         dtype = TORCH_DTYPES[entry.dtype]
         cached = self._placements.get(name)
         if cached is not None and cached.shape == entry.shape and cached.dtype == dtype:
-            resident = named_resident(self.model)
+            resident = self.resident()
             if all(
                 p in resident and resident[p].untyped_storage().data_ptr() == ptr for p, ptr in cached.storages.items()
             ):
@@ -110,31 +130,41 @@ class EngineReceiver:
         self._placements[name] = placement
         return placement
 
-    def gather(self, placement: Placement, canonical: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Current bits of ``canonical`` positions on each local destination: (positions hit, values)."""
-        resident = named_resident(self.model)
-        pieces = []
+    def locate(self, placement: Placement, canonical: torch.Tensor) -> list[Located]:
+        """Where this rank holds ``canonical`` positions: per destination, the positions hit and storage indices."""
+        resident = self.resident()
+        located = []
         for dest in placement.destinations:
             hit, index = dest.locate(canonical)
-            flat = flat_storage(resident[dest.param])
-            held = _to_canonical(flat[index.to(flat.device)], dest, placement.dtype)
-            pieces.append((hit.nonzero().flatten().numpy(), _as_uint(held)))
-        return pieces
+            if index.numel():
+                flat = flat_storage(resident[dest.param])
+                located.append(Located(dest, hit, index.to(flat.device), flat))
+        return located
 
-    def assemble(self, placement: Placement, count: int, canonical: torch.Tensor) -> tuple[np.ndarray, bool]:
+    def assemble(self, placement: Placement, count: int, located: list[Located]) -> tuple[np.ndarray, bool]:
         """The item's elements as held by the engine (all ranks), and whether replicas disagree."""
-        local = self.gather(placement, canonical)
+        local = [
+            (
+                None if at.index.numel() == count else at.hit.nonzero().flatten().numpy(),  # None: every position
+                _as_uint(_to_canonical(at.flat[at.index], at.dest, placement.dtype)),
+            )
+            for at in located
+        ]
+        pieces = [piece for rank_pieces in self.exchange(local) for piece in rank_pieces]
+        if len(pieces) == 1 and pieces[0][0] is None:
+            return pieces[0][1], False  # one destination holds the whole item (the common TP=1 case)
         uint = np.dtype(f"<u{placement.dtype.itemsize}")
         values = np.zeros(count, dtype=uint)
         seen = np.zeros(count, dtype=bool)
         divergent = False
-        for rank_pieces in self.exchange(local):
-            for where, got in rank_pieces:
-                again = seen[where]
-                if again.any() and not np.array_equal(values[where[again]], got[again]):
-                    divergent = True
-                values[where[~again]] = got[~again]
-                seen[where] = True
+        for where, got in pieces:
+            if where is None:
+                where = np.arange(count)
+            again = seen[where]
+            if again.any() and not np.array_equal(values[where[again]], got[again]):
+                divergent = True
+            values[where[~again]] = got[~again]
+            seen[where] = True
         if not seen.all():
             raise IncompatibleError(
                 f"{placement.name}: {int((~seen).sum())} elements are held by no rank of this engine; "
@@ -142,19 +172,14 @@ class EngineReceiver:
             )
         return values, divergent
 
-    def write(self, placement: Placement, canonical: torch.Tensor, new: np.ndarray) -> int:
-        """Write ``new`` at every local destination of ``canonical``, only where the bits differ."""
-        resident = named_resident(self.model)
+    def write(self, placement: Placement, located: list[Located], new: np.ndarray) -> int:
+        """Write ``new`` at every local destination, only where the bits differ."""
         written = 0
-        for dest in placement.destinations:
-            hit, index = dest.locate(canonical)
-            if not index.numel():
-                continue
-            flat = flat_storage(resident[dest.param])
-            index = index.to(flat.device)
-            want = torch.from_numpy(new[hit.numpy()].view(_np_int(placement.dtype))).to(flat.device)
-            if dest.cast(placement.dtype):  # write what the loader writes: the same cast of the value
-                want = want.view(placement.dtype).to(dest.dst_dtype).view(flat.dtype)
+        for at in located:
+            flat, index = at.flat, at.index
+            want = torch.from_numpy(new[at.hit.numpy()].view(_np_int(placement.dtype))).to(flat.device)
+            if at.dest.cast(placement.dtype):  # write what the loader writes: the same cast of the value
+                want = want.view(placement.dtype).to(at.dest.dst_dtype).view(flat.dtype)
             differs = flat[index] != want
             if bool(differs.any()):
                 _write_elements(flat, index[differs], want[differs])
@@ -168,7 +193,7 @@ class EngineReceiver:
         so bit for bit); memory is one tensor, not an index table.
         """
         placement = self.placement(name, entry)
-        resident = named_resident(self.model)
+        resident = self.resident()
         local = []
         for dest in placement.destinations:
             flat = flat_storage(resident[dest.param])
@@ -200,6 +225,7 @@ class EngineReceiver:
     def check(self, delta: Delta) -> str:
         """Every check before the first write. Returns "apply", "resume" or "noop"."""
         m = delta.manifest
+        self._begin()
         self.agree(lambda: self._check_local(delta))
         applying = self.state.applying
         if applying is not None:
@@ -283,8 +309,8 @@ class EngineReceiver:
     def apply_item(self, delta: Delta, item: Item, placement: Placement) -> tuple[str, int]:
         decoded = delta.decode(item)
         positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
-        canonical = torch.from_numpy(item.region.to_canonical(positions, placement.shape))
-        current, divergent = self.assemble(placement, len(positions), canonical)
+        located = self.locate(placement, torch.from_numpy(item.region.to_canonical(positions, placement.shape)))
+        current, divergent = self.assemble(placement, len(positions), located)
         state = None if divergent else digest_bytes(current)
         if state == item.post:
             return "done", 0
@@ -310,7 +336,7 @@ class EngineReceiver:
                 f"{item.tensor} {item.region.to_json()}: computed values do not match the delta's post digest; "
                 "the delta is corrupt or the weights changed during the apply"
             )
-        return kind, self.write(placement, canonical, new)
+        return kind, self.write(placement, located, new)
 
     # ------------------------------------------------------------------ verify
 
@@ -320,6 +346,7 @@ class EngineReceiver:
             if not self.state.table:
                 raise DcrError("this engine has no recorded version yet; pass the delta to verify against")
             table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in self.state.table.items()}
+        self._begin()
         check_layout_kept(self.model)
         mismatched = []
         for name, entry in sorted(table.items()):
