@@ -38,8 +38,8 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path[:0] = [str(REPO / "tests"), str(REPO / "examples")]
-    from vllm_support import engine_env, ensure_plugin_entry_point, resident_model, start_llm
     from train_tiny import train
+    from vllm_support import engine_env, ensure_plugin_entry_point, resident_model, start_llm
 
     from dcr_cli.diff import diff
     from dcr_cli.receivers.vllm import apply_to_llm, verify_llm
