@@ -73,6 +73,11 @@ def _chain_matches_fresh_engine(paths, monkeypatch=None, fail_after_writes: int 
         assert report["done"] >= 1 and report["repaired"] >= 1, report
     reports = [apply_to_llm(llm, root / f"d{i}") for i in range(1 if fail_after_writes is None else 2, len(paths))]
     assert all(r["status"] == "applied" and r["repaired"] == 0 for r in reports), reports
+    # Only changed elements are written (TP=1: every canonical element has one resident copy).
+    first = 1 if fail_after_writes is None else 2
+    for i, report in enumerate(reports, start=first):
+        changed = sum(item.changed_elements for item in Delta.open(root / f"d{i}").manifest.items)
+        assert report["written_elements"] == changed
     assert llm.get_weight_version() == f"step-{len(paths) - 1}"
     assert apply_to_llm(llm, root / f"d{len(paths) - 1}")["status"] == "noop"
     verify_llm(llm)
