@@ -86,12 +86,32 @@ class Located:
     """One destination's share of an item: which positions it holds and at which storage elements."""
 
     dest: Destination
-    hit: torch.Tensor  # bool per item position
-    index: torch.Tensor  # storage element indices of the hit positions, on the parameter's device
+    hit: np.ndarray  # bool per item position
+    index: np.ndarray  # storage element indices (int64) of the hit positions
     flat: torch.Tensor  # the parameter's whole storage as integers
 
+    def read(self) -> torch.Tensor:
+        """Current bits at ``index`` (on the CPU; numpy indexing there, which is cheaper for scattered reads)."""
+        if self.flat.device.type == "cpu":
+            return torch.from_numpy(self.flat.numpy()[self.index])
+        return self.flat[torch.from_numpy(self.index).to(self.flat.device)].cpu()
 
-def _write_elements(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    def write_where_different(self, want: torch.Tensor) -> int:
+        """Write ``want`` (CPU, the storage's integer dtype) at ``index`` where the bits differ; count them."""
+        if self.flat.device.type == "cpu":
+            flat, index, values = self.flat.numpy(), self.index, want.numpy()
+            differs = flat[index] != values
+        else:
+            flat, index = self.flat, torch.from_numpy(self.index).to(self.flat.device)
+            values = want.to(self.flat.device)
+            differs = flat[index] != values
+        count = int(differs.sum())
+        if count:
+            _write_elements(flat, index[differs], values[differs])
+        return count
+
+
+def _write_elements(flat: np.ndarray | torch.Tensor, index: np.ndarray | torch.Tensor, values) -> None:  # type: ignore[no-untyped-def]
     """The only place dcr writes resident weights (tests inject failures here)."""
     flat[index] = values
 
@@ -130,23 +150,22 @@ class EngineReceiver:
         self._placements[name] = placement
         return placement
 
-    def locate(self, placement: Placement, canonical: torch.Tensor) -> list[Located]:
+    def locate(self, placement: Placement, canonical: np.ndarray) -> list[Located]:
         """Where this rank holds ``canonical`` positions: per destination, the positions hit and storage indices."""
         resident = self.resident()
         located = []
         for dest in placement.destinations:
             hit, index = dest.locate(canonical)
-            if index.numel():
-                flat = flat_storage(resident[dest.param])
-                located.append(Located(dest, hit, index.to(flat.device), flat))
+            if index.size:
+                located.append(Located(dest, hit, index, flat_storage(resident[dest.param])))
         return located
 
     def assemble(self, placement: Placement, count: int, located: list[Located]) -> tuple[np.ndarray, bool]:
         """The item's elements as held by the engine (all ranks), and whether replicas disagree."""
         local = [
             (
-                None if at.index.numel() == count else at.hit.nonzero().flatten().numpy(),  # None: every position
-                _as_uint(_to_canonical(at.flat[at.index], at.dest, placement.dtype)),
+                None if at.index.size == count else np.flatnonzero(at.hit),  # None: every position
+                _as_uint(_to_canonical(at.read(), at.dest, placement.dtype)),
             )
             for at in located
         ]
@@ -176,14 +195,10 @@ class EngineReceiver:
         """Write ``new`` at every local destination, only where the bits differ."""
         written = 0
         for at in located:
-            flat, index = at.flat, at.index
-            want = torch.from_numpy(new[at.hit.numpy()].view(_np_int(placement.dtype))).to(flat.device)
+            want = torch.from_numpy(np.ascontiguousarray(new[at.hit]).view(_np_int(placement.dtype)))
             if at.dest.cast(placement.dtype):  # write what the loader writes: the same cast of the value
-                want = want.view(placement.dtype).to(at.dest.dst_dtype).view(flat.dtype)
-            differs = flat[index] != want
-            if bool(differs.any()):
-                _write_elements(flat, index[differs], want[differs])
-                written += int(differs.sum())
+                want = want.view(placement.dtype).to(at.dest.dst_dtype).view(at.flat.dtype)
+            written += at.write_where_different(want)
         return written
 
     def read_tensor(self, name: str, entry: TensorEntry) -> np.ndarray:
@@ -309,7 +324,7 @@ class EngineReceiver:
     def apply_item(self, delta: Delta, item: Item, placement: Placement) -> tuple[str, int]:
         decoded = delta.decode(item)
         positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
-        located = self.locate(placement, torch.from_numpy(item.region.to_canonical(positions, placement.shape)))
+        located = self.locate(placement, item.region.to_canonical(positions, placement.shape))
         current, divergent = self.assemble(placement, len(positions), located)
         state = None if divergent else digest_bytes(current)
         if state == item.post:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -111,7 +112,7 @@ class Destination:
     def cast(self, canonical_dtype: torch.dtype) -> bool:
         return self.dst_dtype != canonical_dtype
 
-    def locate(self, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, canonical: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For int64 canonical flat indices: (mask of those this copy holds, their storage indices).
 
         Inverts the source view by decomposing ``index - src_offset`` over its dimensions in
@@ -120,11 +121,11 @@ class Destination:
         """
         rest = canonical - self.src_offset
         hit = rest >= 0
-        dst = torch.full_like(rest, self.dst_offset)
+        dst = np.full_like(rest, self.dst_offset)
         for k in sorted(range(len(self.src_size)), key=lambda k: -self.src_stride[k]):
             if self.src_size[k] == 1:
                 continue
-            i = torch.div(rest, self.src_stride[k], rounding_mode="floor")
+            i = rest // self.src_stride[k]
             hit &= (i >= 0) & (i < self.src_size[k])
             rest = rest - i * self.src_stride[k]
             dst += i * self.dst_stride[k]
