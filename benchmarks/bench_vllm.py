@@ -48,9 +48,10 @@ def main() -> None:
     ensure_plugin_entry_point()
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-vllm-"))
     paths = train(work, 2, args.size, lr=args.lr)
-    for i in (1, 2):
-        summary = diff(paths[i - 1], paths[i], work / f"d{i}", base_version=f"step-{i - 1}", target_version=f"step-{i}")
-        print(f"d{i}: {summary}")
+    summaries = [
+        diff(paths[i - 1], paths[i], work / f"d{i}", base_version=f"step-{i - 1}", target_version=f"step-{i}")
+        for i in (1, 2)
+    ]
     checkpoint_bytes = sum(f.stat().st_size for f in paths[2].glob("*.safetensors"))
 
     llm = start_llm(paths[0])
@@ -76,7 +77,10 @@ def main() -> None:
     dense = statistics.median(dense_times)
 
     print(f"model: {args.size}, checkpoint {checkpoint_bytes / 2**20:.1f} MiB, cores {os.cpu_count()}")
-    print(f"changed elements step-1 -> step-2: {report['written_elements']} ({report['items']} items)")
+    print(
+        f"changed elements step-1 -> step-2: {report['written_elements']} ({report['items']} items); "
+        f"delta payload {summaries[1].payload_bytes / 2**20:.2f} MiB vs checkpoint {checkpoint_bytes / 2**20:.1f} MiB"
+    )
     print(f"dcr apply, first (establishes base by read-back): {first * 1e3:8.1f} ms")
     print(f"dcr apply, steady state (whole RL-route cycle):   {steady * 1e3:8.1f} ms")
     print(f"  of which in-engine apply:                       {report['seconds'] * 1e3:8.1f} ms")
