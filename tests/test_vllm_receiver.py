@@ -71,11 +71,13 @@ def _chain_matches_fresh_engine(paths, monkeypatch=None, fail_after_writes: int 
         report = apply_to_llm(llm, root / "d1")  # the retry: same command, same items
         assert report["status"] == "resumed"
         assert report["done"] >= 1 and report["repaired"] >= 1, report
-    reports = [apply_to_llm(llm, root / f"d{i}") for i in range(1 if fail_after_writes is None else 2, len(paths))]
+    if fail_after_writes is None:
+        apply_to_llm(llm, root / "d1")
+        _refuses_weights_changed_outside_dcr(llm, root / "d2")
+    reports = [apply_to_llm(llm, root / f"d{i}") for i in range(2, len(paths))]
     assert all(r["status"] == "applied" and r["repaired"] == 0 for r in reports), reports
     # Only changed elements are written (TP=1: every canonical element has one resident copy).
-    first = 1 if fail_after_writes is None else 2
-    for i, report in enumerate(reports, start=first):
+    for i, report in enumerate(reports, start=2):
         changed = sum(item.changed_elements for item in Delta.open(root / f"d{i}").manifest.items)
         assert report["written_elements"] == changed
     assert llm.get_weight_version() == f"step-{len(paths) - 1}"
@@ -88,6 +90,23 @@ def _chain_matches_fresh_engine(paths, monkeypatch=None, fail_after_writes: int 
     assert updated_tokens == greedy(fresh)
     assert updated_tokens != base_tokens  # the steps changed what the model generates
     return llm
+
+
+def _refuses_weights_changed_outside_dcr(llm, delta_dir) -> None:
+    """Flip one bit that the delta changes: the apply refuses before writing anything, and serves on."""
+    import torch
+
+    embed = resident_model(llm).model.embed_tokens.weight  # canonical layout at TP=1: flat index = position
+    item = next(it for it in Delta.open(delta_dir).manifest.items if it.tensor == "model.embed_tokens.weight")
+    delta = Delta.open(delta_dir)
+    position = int(item.region.to_canonical(delta.decode(item).positions[:1], tuple(embed.shape))[0])
+    bits = embed.data.view(torch.int16).view(-1)
+    bits[position] ^= 1
+    before = resident_bits(llm)
+    with pytest.raises(IncompatibleError, match=r"changed outside dcr\. Nothing was written"):
+        apply_to_llm(llm, delta_dir)
+    assert differing(resident_bits(llm), before) == []
+    bits[position] ^= 1
 
 
 class _Crash(RuntimeError):

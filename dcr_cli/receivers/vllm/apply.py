@@ -308,6 +308,8 @@ class EngineReceiver:
         if mode == "noop":
             assert self.state.fingerprint is not None
             return ApplyReport("noop", m.target.version, self.state.fingerprint)
+        if mode == "apply":
+            self.agree(lambda: self._check_all_pending(delta))
         self.state.applying = {"delta_id": delta.id, "target": m.target.version}
         report = ApplyReport("resumed" if mode == "resume" else "applied", m.target.version, m.target.fingerprint)
         for name, items in delta.items_by_tensor():
@@ -321,12 +323,32 @@ class EngineReceiver:
         report.seconds = time.perf_counter() - started
         return report
 
-    def apply_item(self, delta: Delta, item: Item, placement: Placement) -> tuple[str, int]:
+    def _check_all_pending(self, delta: Delta) -> None:
+        """A fresh apply writes nothing unless every item is at its pre-image.
+
+        The recorded version says the engine is at the base; an item that is not means its weights
+        were changed by something other than dcr, and the delta would not lead to the target.
+        """
+        for name, items in delta.items_by_tensor():
+            placement = self.placement(name, delta.manifest.tensors[name])
+            for item in items:
+                if self._current(delta, item, placement)[0] != item.pre:
+                    raise IncompatibleError(
+                        f"{name}: the engine's weights are not the delta's base there although dcr recorded "
+                        f"version {self.state.version}; they were changed outside dcr. Nothing was written: "
+                        "reload the engine from a checkpoint of a known version"
+                    )
+
+    def _current(self, delta: Delta, item: Item, placement: Placement):  # type: ignore[no-untyped-def]
+        """(digest of the item's elements as held, or None if replicas disagree; values; decoded; located)."""
         decoded = delta.decode(item)
         positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
         located = self.locate(placement, item.region.to_canonical(positions, placement.shape))
         current, divergent = self.assemble(placement, len(positions), located)
-        state = None if divergent else digest_bytes(current)
+        return (None if divergent else digest_bytes(current)), current, decoded, located
+
+    def apply_item(self, delta: Delta, item: Item, placement: Placement) -> tuple[str, int]:
+        state, current, decoded, located = self._current(delta, item, placement)
         if state == item.post:
             return "done", 0
         casts = any(d.cast(placement.dtype) for d in placement.destinations)

@@ -182,10 +182,15 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     try:
         engine.update(location)
     except Exception as exc:
+        status = _status(engine)
+        error = (status or {}).get("last_error") or str(exc)
+        if status is not None and status["state"].get("applying") is None:
+            engine.resume()  # refused before any write: the engine still serves its old version
+            raise IncompatibleError(f"vLLM engine: {error}") from None
         # Left paused: the weights are part old, part new. The retry classifies every item again.
         raise DcrError(
-            f"the apply failed on the engine ({_last_error(engine) or exc}); it is left paused with part of "
-            "the delta applied: re-run the same command to finish it exactly (torn items are overwritten)"
+            f"the apply failed on the engine ({error}); it is left paused with part of the delta applied: "
+            "re-run the same command to finish it exactly (torn items are overwritten)"
         ) from None
     engine.finish(target)
     engine.reset_prefix_cache()
@@ -200,9 +205,9 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     return report
 
 
-def _last_error(engine: Engine) -> str | None:
+def _status(engine: Engine) -> dict[str, Any] | None:
     try:
-        return engine.rpc("status")[0].get("last_error")
+        return engine.rpc("status")[0]
     except DcrError:
         return None
 
