@@ -18,6 +18,10 @@ _API = {
     # receivers
     "apply": "receivers.checkpoint",
     "verify": "receivers.verify",
+    "apply_to_llm": "receivers.vllm",
+    "verify_llm": "receivers.vllm",
+    "apply_to_server": "receivers.vllm",
+    "verify_server": "receivers.vllm",
     # store
     "push": "store",
     "pull": "store",

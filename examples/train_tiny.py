@@ -71,6 +71,7 @@ def save_bf16(model, out: Path) -> None:
     config = model.config.to_dict()
     config["torch_dtype"] = "bfloat16"
     config["dtype"] = "bfloat16"
+    config["architectures"] = [type(model).__name__]  # vLLM picks its model class (and runner) from this
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from ..errors import DcrError
 from .common import emit_json, handle_errors
 from .store_options import parse_storage_options, storage_options
+from .vllm_cmd import VLLM_OPTION_HELP, apply_vllm
 
 
 @click.command("apply")
@@ -14,10 +17,10 @@ from .store_options import parse_storage_options, storage_options
 @click.option(
     "--into",
     "into",
-    required=True,
     type=click.Path(file_okay=False),
     help="Checkpoint directory to update in place.",
 )
+@click.option("--vllm", "vllm_url", metavar="URL", help=VLLM_OPTION_HELP)
 @click.option("--workers", type=click.IntRange(min=1), help="Threads to use (default: all cores).")
 @click.option("--verify", "verify_after", is_flag=True, help="Re-digest every tensor afterwards (as dcr verify).")
 @click.option("--version", help="With a store URL: the version to apply (default: the store's newest).")
@@ -28,7 +31,8 @@ from .store_options import parse_storage_options, storage_options
 @handle_errors
 def command(
     deltas: tuple[str, ...],
-    into: str,
+    into: str | None,
+    vllm_url: str | None,
     workers: int | None,
     verify_after: bool,
     version: str | None,
@@ -37,17 +41,33 @@ def command(
     storage_option: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Apply DELTAS (paths, URLs, a directory of deltas, or a store URL) to a checkpoint, in place.
+    """Apply DELTAS in place to a checkpoint directory (--into) or a running vLLM engine (--vllm).
 
-    Several deltas are applied as a chain, ordered from the checkpoint's version;
-    ones already applied are skipped. After a crash, re-run the same command.
+    DELTAS are delta directories (paths or URLs), directories of deltas, or a store URL. Several
+    deltas are applied as a chain, ordered from the receiver's version; ones already applied are
+    skipped. After a crash or a failed write, re-run the same command: it finishes bit-exactly.
     """
     from ..receivers.checkpoint import apply
     from ..store import acknowledge, is_store, open_delta
 
+    if bool(into) == bool(vllm_url):
+        raise DcrError("give exactly one receiver: --into CHECKPOINT_DIR or --vllm URL")
     if bool(ack_url) != bool(receiver):
         raise DcrError("--ack URL and --receiver NAME go together")
     options = parse_storage_options(storage_option)
+    if vllm_url:
+        if version is not None or any(is_store(d, options) for d in deltas):
+            raise DcrError("with --vllm, pass delta directories the engine can read (dcr pull a store's version first)")
+        # The engine's workers open the deltas themselves: make local paths absolute.
+        steps = apply_vllm(tuple(os.path.abspath(d) if "://" not in d else d for d in deltas), vllm_url, as_json)
+        if ack_url and receiver:
+            acknowledge(
+                ack_url, steps.target.version, receiver, fingerprint=steps.target.fingerprint, storage_options=options
+            )
+            if not as_json:
+                click.echo(f"acknowledged {steps.target.version} as {receiver!r} on {ack_url}")
+        return
+    assert into is not None
     # Store URLs resolve to one of their versions; anything else is a delta (or a directory of them).
     opened = [open_delta(d, version, storage_options=options) if is_store(d, options) else d for d in deltas]
     if version is not None and all(isinstance(d, str) for d in opened):

@@ -1,0 +1,78 @@
+"""``dcr apply --vllm URL`` and ``dcr verify --vllm URL``: a running vLLM server as the receiver.
+
+The logic lives in two functions (``apply_vllm``, ``verify_vllm``) that the ``apply`` and
+``verify`` commands call when ``--vllm`` is given.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..format.manifest import Manifest
+from .common import emit_json
+
+VLLM_OPTION_HELP = (
+    'URL of a vLLM server started with the dcr plugin, --weight-transfer-config \'{"backend": "dcr"}\' '
+    "and VLLM_SERVER_DEV_MODE=1; update its resident weights in place."
+)
+
+
+def chain_order(deltas: list[str]) -> list[str]:
+    """Local directories of deltas expand to their children; the deltas are ordered base -> target."""
+    from ..delta.reader import Delta
+    from ..errors import IncompatibleError
+    from ..format.manifest import MANIFEST_NAME
+
+    locations: list[str] = []
+    for d in deltas:
+        path = Path(d)
+        if "://" not in d and path.is_dir() and not (path / MANIFEST_NAME).exists():
+            locations.extend(str(p) for p in sorted(path.iterdir()) if (p / MANIFEST_NAME).is_file())
+        else:
+            locations.append(d)
+    opened = {loc: Delta.open(loc).manifest for loc in locations}
+    targets = {m.target.fingerprint for m in opened.values()}
+    starts = [loc for loc, m in opened.items() if m.base.fingerprint not in targets]
+    if len(starts) != 1:
+        raise IncompatibleError("the deltas do not form one chain (base -> target); pass them one chain at a time")
+    by_base = {m.base.fingerprint: loc for loc, m in opened.items()}
+    order = [starts[0]]
+    while opened[order[-1]].target.fingerprint in by_base and len(order) < len(opened):
+        order.append(by_base[opened[order[-1]].target.fingerprint])
+    if len(order) != len(opened):
+        raise IncompatibleError("the deltas do not form one chain (base -> target); pass them one chain at a time")
+    return order
+
+
+def apply_vllm(deltas: tuple[str, ...], url: str, as_json: bool) -> Manifest:
+    """Apply the chain of deltas to the server at ``url``; returns the manifest of the last one."""
+    from ..delta.reader import Delta
+    from ..receivers.vllm import apply_to_server
+
+    reports = []
+    order = chain_order(list(deltas))
+    for location in order:
+        reports.append(apply_to_server(url, location, log=None if as_json else click.echo))
+    if as_json:
+        emit_json({"vllm": url, "steps": reports})
+    return Delta.open(order[-1]).manifest
+
+
+def verify_vllm(url: str, against: str | None, as_json: bool) -> None:
+    from ..errors import VerifyFailed
+    from ..receivers.vllm import verify_server
+
+    try:
+        answer = verify_server(url, against)
+    except VerifyFailed as exc:
+        if as_json:
+            emit_json({"vllm": url, "ok": False, "error": str(exc)})
+        click.echo(f"dcr: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    if as_json:
+        emit_json({"vllm": url, "ok": True, "tensors": answer["tensors"], "fingerprint": answer["fingerprint"]})
+    else:
+        click.echo(f"ok: {answer['tensors']} tensors of the vLLM engine match ({answer['fingerprint'][:16]}…)")

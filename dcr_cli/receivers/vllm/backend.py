@@ -1,0 +1,144 @@
+"""The ``dcr`` weight-transfer backend and dcr's worker RPC, inside each vLLM worker process.
+
+Selected with ``--weight-transfer-config '{"backend": "dcr"}'`` (server) or
+``LLM(..., weight_transfer_config={"backend": "dcr"})``. vLLM builds one instance per worker
+right after the model loads; it owns that worker's :class:`EngineReceiver` (placements and the
+version dcr knows the engine to hold).
+
+``update_info`` is ``{"delta": LOCATION}``: a delta directory or fsspec URL that every worker
+can read. The worker applies it in place through vLLM's own loader placement (apply.py).
+``init_info`` is empty: the engine's base version is established by reading its weights back
+and fingerprinting them at the first apply, which also proves that the placement is right.
+
+``dcr_rpc`` (attached to vLLM's worker wrapper by the plugin) answers dcr's questions that need
+a reply (check, status, verify) through ``collective_rpc`` / ``POST /collective_rpc``. It never
+raises: errors come back as ``{"ok": false, "error": ...}`` so an HTTP client sees the message.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ...delta.reader import Delta
+from ...errors import DcrError
+from ...format.manifest import TensorEntry
+from .apply import EngineReceiver, Exchange, single_rank
+
+BACKEND_NAME = "dcr"
+RPC_METHOD = "dcr_rpc"
+
+
+@dataclass
+class DcrInitInfo(WeightTransferInitInfo):
+    pass
+
+
+@dataclass
+class DcrUpdateInfo(WeightTransferUpdateInfo):
+    delta: str = ""
+
+
+def engine_exchange() -> Exchange:
+    """All-gather over vLLM's CPU process group of this engine's workers (identity on one rank)."""
+    from vllm.distributed import parallel_state
+
+    group = parallel_state.get_world_group()
+    if group.world_size == 1:
+        return single_rank
+
+    def exchange(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * group.world_size
+        torch.distributed.all_gather_object(out, obj, group=group.cpu_group)
+        return out
+
+    return exchange
+
+
+class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
+    init_info_cls = DcrInitInfo
+    update_info_cls = DcrUpdateInfo
+    supports_draft_weight_update = False
+    defers_processing = False  # never a layer-wise reload: weights are written where they live
+
+    def __init__(self, config, vllm_config, device, model) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config, vllm_config, device, model)
+        self.receiver = EngineReceiver(model, engine_exchange())
+        self.last_report: dict[str, Any] | None = None
+        self.last_error: str | None = None
+
+    def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
+        pass  # nothing to connect: deltas are read from where update_info points
+
+    def start_weight_update(self) -> None:
+        self.last_error = None
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: DcrUpdateInfo) -> None:
+        if not update_info.delta:
+            raise DcrError('update_info needs {"delta": LOCATION} (a dcr delta directory or URL)')
+        try:
+            self.last_report = self.receiver.apply(Delta.open(update_info.delta)).to_json()
+        except Exception as exc:
+            self.last_error = _one_line(exc)
+            raise
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text and isinstance(exc, DcrError) else f"{type(exc).__name__}: {' '.join(text)[:500]}"
+
+
+def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
+    """Worker method ``dcr_rpc(request_json)``; one dict per rank comes back to the caller."""
+    try:
+        args = json.loads(request)
+        op = args.get("op")
+        engine = getattr(wrapper, "weight_transfer_engine", None)
+        if not isinstance(engine, DcrWeightTransferEngine):
+            raise DcrError(
+                "this vLLM engine was not started with the dcr weight-transfer backend; start it with "
+                '--weight-transfer-config \'{"backend": "dcr"}\''
+            )
+        receiver = engine.receiver
+        if op == "status":
+            return {
+                "ok": True,
+                "state": receiver.state.to_json(),
+                "last_report": engine.last_report,
+                "last_error": engine.last_error,
+            }
+        if op == "check":
+            return {"ok": True, "mode": receiver.check(Delta.open(args["delta"])), "state": receiver.state.to_json()}
+        if op == "verify":
+            table = None
+            if args.get("delta"):
+                table = Delta.open(args["delta"]).manifest.tensors
+            elif args.get("table"):
+                table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in args["table"].items()}
+            return {"ok": True, **receiver.verify(table)}
+        raise DcrError(f"unknown dcr_rpc op {op!r}")
+    except DcrError as exc:
+        return {"ok": False, "error": str(exc), "kind": type(exc).__name__}
+    except Exception as exc:
+        return {"ok": False, "error": _one_line(exc), "kind": "DcrError", "traceback": traceback.format_exc()[-2000:]}

