@@ -7,6 +7,7 @@ map, so reading costs page cache, not heap, and nothing is ever converted.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import mmap
 import os
@@ -64,8 +65,10 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise FormatError(f"{path}: safetensors header is truncated")
     try:
         header = json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise FormatError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + length
 
 
@@ -86,8 +89,10 @@ class SafetensorsCheckpoint:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise FormatError(f"{index}: not a valid safetensors index (needs weight_map)") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                weight_map = None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise FormatError(f"{index}: not a valid safetensors index (needs weight_map: tensor -> file name)")
             return sorted({safe_child(self.root, f) for f in weight_map.values()})
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:
@@ -99,6 +104,7 @@ class SafetensorsCheckpoint:
             raise IncompatibleError(f"{file} is listed in the index but missing")
         header, data_start = read_header(file)
         size = file.stat().st_size
+        spans: list[tuple[int, int, str]] = []
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
@@ -111,9 +117,16 @@ class SafetensorsCheckpoint:
             except (KeyError, TypeError, ValueError):
                 raise FormatError(f"{file}: bad header entry for {name!r}") from None
             nbytes = numel(shape) * dt.itemsize
-            if end - begin != nbytes or data_start + end > size or begin < 0:
+            if any(s < 0 for s in shape) or end - begin != nbytes or data_start + end > size or begin < 0:
                 raise FormatError(f"{file}: data of {name!r} is truncated or inconsistent with its shape")
             self.tensors[name] = TensorLocation(name, dt.name, shape, file, data_start + begin, nbytes)
+            if nbytes:
+                spans.append((begin, end, name))
+        # Two tensors sharing bytes would let an in-place write to one silently change the other.
+        spans.sort()
+        for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
+            if begin_b < end_a:
+                raise FormatError(f"{file}: the data of {name_a!r} and {name_b!r} overlap (not valid safetensors)")
 
     def _map(self, file: Path) -> mmap.mmap:
         m = self._maps.get(file)
