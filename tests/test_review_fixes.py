@@ -58,3 +58,40 @@ def test_safetensors_empty_tensors_next_to_others_are_fine(tmp_path: Path) -> No
     _raw_safetensors(tmp_path / "model.safetensors", header, bytes(4))
     with SafetensorsCheckpoint(tmp_path) as ckpt:
         assert np.array_equal(ckpt.view("a"), np.arange(4, dtype=np.uint8) * 0)
+
+
+def _manifest_with_items(shape: list[int], regions: list[tuple[dict, int]]) -> bytes:
+    """A replace-only manifest of one F32 tensor ``t``; ``regions`` are (region JSON, element count)."""
+    zero = "0" * 64
+    items = [
+        {
+            "tensor": "t",
+            "region": region,
+            "op": "replace",
+            "count": count,
+            "data": {"block": 0, "offset": 0, "length": 0, "positions_length": 0, "digest": zero},
+            "pre": zero,
+            "post": zero,
+        }
+        for region, count in regions
+    ]
+    return json.dumps(
+        {
+            "format": "dcr.delta",
+            "format_version": [1, 0],
+            "base": {"version": "a", "fingerprint": zero},
+            "target": {"version": "b", "fingerprint": zero},
+            "blocks": [{"id": zero, "size": 0, "role": "data"}],
+            "tensors": {"t": {"dtype": "F32", "shape": shape, "digest": zero}},
+            "items": items,
+        }
+    ).encode()
+
+
+def test_two_scalar_boxes_are_an_overlap_not_an_assertion() -> None:
+    from dcr_cli.format.manifest import parse_manifest
+
+    scalar_box = ({"offsets": [], "sizes": []}, 1)
+    raw = _manifest_with_items([], [scalar_box, scalar_box])
+    with pytest.raises(FormatError, match="overlap"):
+        parse_manifest(raw)

@@ -417,7 +417,8 @@ def _check_disjoint(items: list[Item]) -> None:
 
 
 def _boxes_overlap(a: Region, b: Region) -> bool:
-    assert a.offsets and a.sizes and b.offsets and b.sizes
+    # A scalar's box has empty offsets and sizes: two of them overlap (all() of nothing is True).
+    assert a.offsets is not None and a.sizes is not None and b.offsets is not None and b.sizes is not None
     return all(
         ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
     )
