@@ -14,6 +14,7 @@ import dcr_cli
 from dcr_cli.cli import main
 from dcr_cli.differ import diff
 from dcr_cli.errors import IncompatibleError
+from dcr_cli.format.digest import digest_bytes
 from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 
 
@@ -125,3 +126,16 @@ def test_verify_after_apply_flag(tmp_path: Path) -> None:
     code, out, err = run_cli("apply", tmp_path / "d", "--into", recv, "--verify")
     assert code == 0, err
     assert "ok, 1 tensors match" in out
+
+
+def test_against_a_delta_whose_table_was_tampered_is_refused(applied: tuple[Path, Path]) -> None:
+    """A table edited to match a wrong checkpoint must not make verify say ok: it is tied to the fingerprint."""
+    recv, delta = applied
+    flip_bit(recv, "a")
+    with SafetensorsCheckpoint(recv) as ckpt:
+        wrong = digest_bytes(ckpt.view("a"))
+    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest["tensors"]["a"]["digest"] = wrong
+    (delta / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli("verify", recv, "--against", delta)
+    assert code == 2 and "fingerprint" in err

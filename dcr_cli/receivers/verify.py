@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..differ import default_workers, ordered_parallel
-from ..errors import IncompatibleError
+from ..errors import IncompatibleError, IntegrityError
 from ..format.digest import digest_bytes
 from ..format.manifest import TensorEntry, fingerprint
 from ..sources.safetensors_dir import SafetensorsCheckpoint
@@ -112,6 +112,11 @@ def verify(
 
         delta = Delta.open(against)
         expected = delta.manifest.tensors
+        if fingerprint(expected) != delta.manifest.target.fingerprint:
+            raise IntegrityError(
+                f"{against}: manifest tensor table does not match its target fingerprint (tampered?); "
+                "nothing to verify against — fetch the delta again"
+            )
         expected_version: str | None = delta.manifest.target.version
         label = str(against)
     else:
