@@ -139,3 +139,8 @@ def test_against_a_delta_whose_table_was_tampered_is_refused(applied: tuple[Path
     (delta / "manifest.json").write_text(json.dumps(manifest))
     code, _, err = run_cli("verify", recv, "--against", delta)
     assert code == 2 and "fingerprint" in err
+
+
+def test_missing_checkpoint_directory_is_named_as_such(tmp_path: Path) -> None:
+    code, _, err = run_cli("verify", tmp_path / "nope")
+    assert code == 2 and "is not a checkpoint directory" in err

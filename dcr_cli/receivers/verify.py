@@ -107,6 +107,8 @@ def verify(
     from .checkpoint import read_recorded_table, read_state
 
     root = Path(checkpoint)
+    if not root.is_dir():
+        raise IncompatibleError(f"{root} is not a checkpoint directory")
     if against is not None:
         from ..delta.reader import Delta
 
