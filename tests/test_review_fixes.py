@@ -95,3 +95,59 @@ def test_two_scalar_boxes_are_an_overlap_not_an_assertion() -> None:
     raw = _manifest_with_items([], [scalar_box, scalar_box])
     with pytest.raises(FormatError, match="overlap"):
         parse_manifest(raw)
+
+
+def _part_obj(**fields: object) -> dict:
+    obj: dict = {
+        "format": "dcr.delta-part",
+        "format_version": [1, 0],
+        "rank": 0,
+        "world_size": 1,
+        "tensors": {},
+        "base_digests": {},
+        "target_digests": {},
+        "blocks": [],
+        "items": [],
+    }
+    obj.update(fields)
+    return obj
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        "[1]",
+        '{"format": "dcr.delta-part", "format_version": []}',
+        json.dumps({"format": "dcr.delta-part", "format_version": [1, 0]}),
+        json.dumps(_part_obj(items=[{"tensor": "x"}])),
+        json.dumps(_part_obj(tensors={"x": 5})),
+        json.dumps(_part_obj(blocks=[{"id": "../../escaped", "size": 1, "role": "data"}])),
+        '{"format": "dcr.delta-part", "truncat',
+    ],
+)
+def test_assemble_of_a_malformed_part_is_a_one_line_error(tmp_path: Path, part: str) -> None:
+    from click.testing import CliRunner
+
+    from dcr_cli.cli import main
+
+    rank = tmp_path / "out" / "parts" / "rank-00000"
+    rank.mkdir(parents=True)
+    (rank / "part.json").write_text(part)
+    result = CliRunner().invoke(main, ["assemble", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("dcr: error: ") and "part" in result.stderr
+
+
+def test_assemble_never_moves_a_file_named_by_a_path_as_block_id(tmp_path: Path) -> None:
+    from dcr_cli.delta.parts import assemble
+
+    rank = tmp_path / "out" / "parts" / "rank-00000"
+    (rank / "blocks").mkdir(parents=True)
+    victim = tmp_path / "out" / "parts" / "victim"  # = rank/blocks/../../victim
+    victim.write_bytes(b"x")
+    part = _part_obj(blocks=[{"id": "../../victim", "size": 1, "role": "data"}])
+    (rank / "part.json").write_text(json.dumps(part))
+    with pytest.raises(FormatError):
+        assemble(tmp_path / "out")
+    assert victim.read_bytes() == b"x"
+    assert not (tmp_path / "victim").exists()  # = out/blocks/../../victim
