@@ -352,3 +352,35 @@ def test_hint_and_records_are_not_trusted_blindly(deltas: tuple[list[Path], list
     store.put("dcr-store.json", marker)
     with pytest.raises(FormatError, match="upgrade dcr"):
         status(url)
+
+
+def test_genesis_label_cannot_be_reused_and_a_looping_chain_fails_instead_of_hanging(tmp_path: Path) -> None:
+    """commits/<genesis>.json naming a version labelled like the genesis made every head walk loop forever."""
+    import json
+
+    from dcr_cli.differ import diff
+
+    ckpts, (d1, _) = make_deltas(tmp_path / "a", 2)
+    url = str(tmp_path / "store")
+    _publish_chain(url, [d1])
+    diff(ckpts[1], ckpts[2], tmp_path / "again-v0", base_version="v1", target_version="v0", workers=1)
+    with pytest.raises(ConflictError, match="genesis"):
+        push(tmp_path / "again-v0", url)
+
+    # A store damaged into a loop (commits/v1.json naming "v0" back): a walk must fail, not spin.
+    first = json.loads((tmp_path / "store" / "commits" / "v0.json").read_text())
+    looping = {**first, "version": "v0", "base": first["target"], "target": first["base"]}
+    (tmp_path / "store" / "commits" / "v1.json").write_text(json.dumps(looping))
+    outcome: list[BaseException | dict] = []
+
+    def walk() -> None:
+        try:
+            outcome.append(status(url))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=walk, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "dcr status loops on a looping commit chain"
+    assert isinstance(outcome[0], DcrError) and "loops" in str(outcome[0])

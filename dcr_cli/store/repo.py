@@ -522,9 +522,12 @@ class Store:
 
     def head(self) -> Ref:
         """The newest committed state: the only base a producer may diff against."""
-        start = self._hinted_head()
-        current = start
+        current = self._hinted_head()
+        seen = {current.version}
         while (record := self.commit_on(current.version)) is not None:
+            if record.version in seen:
+                raise FormatError(f"{self.url}: the commit chain loops at {record.version!r}; the store is damaged")
+            seen.add(record.version)
             current = record.target
         return current
 
