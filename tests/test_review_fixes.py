@@ -151,3 +151,20 @@ def test_assemble_never_moves_a_file_named_by_a_path_as_block_id(tmp_path: Path)
         assemble(tmp_path / "out")
     assert victim.read_bytes() == b"x"
     assert not (tmp_path / "victim").exists()  # = out/blocks/../../victim
+
+
+def test_inspect_prints_bracketed_labels_and_names_verbatim(tmp_path: Path) -> None:
+    """Manifest strings are data, not rich markup: "[/]" used to raise MarkupError (a traceback)."""
+    from click.testing import CliRunner
+    from helpers_checkpoints import write_checkpoint
+
+    from dcr_cli.cli import main
+    from dcr_cli.differ import diff
+
+    values = np.arange(8, dtype=np.uint32)
+    write_checkpoint(tmp_path / "a", {"w[/]": ("F32", (8,), values)})
+    write_checkpoint(tmp_path / "b", {"w[/]": ("F32", (8,), values + 1)})
+    diff(tmp_path / "a", tmp_path / "b", tmp_path / "d", base_version="[/]", target_version="[bold]v1", workers=1)
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "d")])
+    assert result.exit_code == 0, result.output
+    assert "[/] -> [bold]v1" in result.stdout and "w[/]" in result.stdout
