@@ -168,3 +168,24 @@ def test_inspect_prints_bracketed_labels_and_names_verbatim(tmp_path: Path) -> N
     result = CliRunner().invoke(main, ["inspect", str(tmp_path / "d")])
     assert result.exit_code == 0, result.output
     assert "[/] -> [bold]v1" in result.stdout and "w[/]" in result.stdout
+
+
+@pytest.mark.parametrize("damage", ["trailing byte", "second frame", "no checksum", "cut inside the checksum"])
+def test_a_section_must_be_exactly_one_checksummed_zstd_frame(damage: str) -> None:
+    """zstd's one-shot decoder ignores bytes after the first frame; the reader must not (spec §5.2)."""
+    import zstandard
+
+    from dcr_cli.errors import IntegrityError
+    from dcr_cli.format.codec import decompress_exact, encode_values
+
+    values = np.arange(1000, dtype=np.uint16)
+    frame = encode_values(values)
+    assert len(decompress_exact(frame, 2000, "ok")) == 2000
+    bad = {
+        "trailing byte": frame + b"\0",
+        "second frame": frame + encode_values(values),
+        "no checksum": zstandard.ZstdCompressor(write_checksum=False).compress(bytes(2000)),
+        "cut inside the checksum": frame[:-2],
+    }[damage]
+    with pytest.raises(IntegrityError):
+        decompress_exact(bad, 2000, "values")
