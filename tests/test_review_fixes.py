@@ -189,3 +189,26 @@ def test_a_section_must_be_exactly_one_checksummed_zstd_frame(damage: str) -> No
     }[damage]
     with pytest.raises(IntegrityError):
         decompress_exact(bad, 2000, "values")
+
+
+def test_digests_of_a_file_written_while_hashed_are_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache key was taken after hashing: digests of the old bytes were filed under the new file's key."""
+    import time
+
+    from helpers_checkpoints import write_checkpoint
+
+    from dcr_cli.format.digest import digest_bytes
+
+    monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
+    write_checkpoint(tmp_path / "c", {"w": ("U8", (64,), np.zeros(64, dtype=np.uint8))})
+    ckpt = SafetensorsCheckpoint(tmp_path / "c")
+    hashed = {"w": digest_bytes(ckpt.view("w"))}
+    ckpt.close()
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    loc = SafetensorsCheckpoint(tmp_path / "c").tensors["w"]
+    with open(loc.file, "r+b") as f:  # the trainer rewrites the file in place, same size
+        f.seek(loc.start)
+        f.write(b"\x01")
+    ckpt.remember_digests(hashed)
+    with SafetensorsCheckpoint(tmp_path / "c") as fresh:
+        assert fresh.tensor_digests()["w"] == digest_bytes(fresh.view("w"))

@@ -22,6 +22,7 @@ from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from ..format.manifest import TensorEntry
+from . import digest_cache
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20
@@ -81,8 +82,12 @@ class SafetensorsCheckpoint:
             raise IncompatibleError(f"{self.root} is not a checkpoint directory")
         self.tensors: dict[str, TensorLocation] = {}
         self._maps: dict[Path, mmap.mmap] = {}
-        for file in self._files():
+        files = self._files()
+        # Digest-cache keys as the files were before anything was hashed (see remember_digests).
+        self._cache_keys: dict[Path, str] = {}
+        for file in files:
             self._add_file(file)
+            self._cache_keys[file] = digest_cache.key(file)
 
     def _files(self) -> list[Path]:
         index = self.root / INDEX_NAME
@@ -151,24 +156,20 @@ class SafetensorsCheckpoint:
 
     def cached_digests(self) -> dict[str, str]:
         """Tensor digests remembered for these exact files (see digest_cache); may be partial."""
-        from . import digest_cache
-
         out: dict[str, str] = {}
         for file in {t.file for t in self.tensors.values()}:
-            cached = digest_cache.load(file)
+            cached = digest_cache.load(file) if digest_cache.key(file) == self._cache_keys[file] else {}
             out.update({n: cached[n] for n, t in self.tensors.items() if t.file == file and n in cached})
         return out
 
     def remember_digests(self, digests: dict[str, str]) -> None:
-        """Store the digests of every file whose tensors are all in ``digests``."""
-        from . import digest_cache
-
+        """Store the digests of every file whose tensors are all in ``digests``, unless it changed since opened."""
         by_file: dict[Path, dict[str, str]] = {}
         for name, loc in self.tensors.items():
             by_file.setdefault(loc.file, {})[name] = digests.get(name, "")
         for file, table in by_file.items():
             if all(table.values()):
-                digest_cache.save(file, table)
+                digest_cache.save(file, table, self._cache_keys[file])
 
     def tensor_digests(self) -> dict[str, str]:
         """Digests of every tensor's stored bytes, computed where the cache has none."""
