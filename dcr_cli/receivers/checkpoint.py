@@ -95,15 +95,23 @@ def read_state(root: str | os.PathLike[str]) -> ReceiverState | None:
             )
         applying = obj.get("applying")
         if applying is not None and not (
-            isinstance(applying.get("delta_id"), str) and "fingerprint" in applying["base"]
+            isinstance(applying.get("delta_id"), str)
+            and _is_ref(applying.get("base"))
+            and _is_ref(applying.get("target"))
         ):
             raise ValueError
+        version, fp = obj.get("version"), obj.get("fingerprint")
+        if not (version is None or isinstance(version, str)) or not (fp is None or is_digest(fp)):
+            raise ValueError
         history = [h for h in obj.get("history") or [] if is_digest(h)]
-        return ReceiverState(
-            obj.get("version"), obj.get("fingerprint"), applying, dict(obj.get("files") or {}), history
-        )
+        return ReceiverState(version, fp, applying, dict(obj.get("files") or {}), history)
     except (ValueError, TypeError, AttributeError, KeyError):
         raise FormatError(f"{path} is not a dcr receiver state file; remove it to re-establish the version") from None
+
+
+def _is_ref(obj: Any) -> bool:
+    """A {version, fingerprint} pair as the state records it."""
+    return isinstance(obj, dict) and isinstance(obj.get("version"), str) and is_digest(obj.get("fingerprint"))
 
 
 def write_state(root: Path, state: ReceiverState) -> None:
