@@ -144,3 +144,11 @@ def test_against_a_delta_whose_table_was_tampered_is_refused(applied: tuple[Path
 def test_missing_checkpoint_directory_is_named_as_such(tmp_path: Path) -> None:
     code, _, err = run_cli("verify", tmp_path / "nope")
     assert code == 2 and "is not a checkpoint directory" in err
+
+
+@pytest.mark.parametrize("table", ['{"tensors": []}', "[1]", '{"tensors": {"a": 5}}', "{trunc"])
+def test_damaged_recorded_table_is_a_clear_error(applied: tuple[Path, Path], table: str) -> None:
+    recv, _ = applied
+    (recv / ".dcr" / "table.json").write_text(table)
+    code, _, err = run_cli("verify", recv)
+    assert code == 2 and "no tensor table" in err

@@ -144,7 +144,7 @@ def read_recorded_table(root: str | os.PathLike[str], expected_fingerprint: str)
     try:
         obj = json.loads(path.read_bytes())
         table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in obj["tensors"].items()}
-    except (FileNotFoundError, ValueError, TypeError, KeyError):
+    except (FileNotFoundError, ValueError, TypeError, KeyError, AttributeError):
         return None
     return table if fingerprint(table) == expected_fingerprint else None
 
