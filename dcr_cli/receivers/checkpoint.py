@@ -370,10 +370,8 @@ def plan_chain(
             )
     plan: list[Delta] = [resume] if resume else []
     fp = resume.manifest.target.fingerprint if resume else start_fp
-    seen = {start_fp}
-    while fp in by_base and by_base[fp] not in plan:
+    while fp in by_base and by_base[fp] not in plan:  # "not in plan": a cycle of deltas ends the chain
         plan.append(by_base[fp])
-        seen.add(fp)
         fp = by_base[fp].manifest.target.fingerprint
     # Deltas that lead up to where the receiver already is were applied before.
     behind_fps = {resume.manifest.base.fingerprint if resume else start_fp, *history}
