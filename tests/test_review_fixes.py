@@ -212,3 +212,21 @@ def test_digests_of_a_file_written_while_hashed_are_not_cached(tmp_path: Path, m
     ckpt.remember_digests(hashed)
     with SafetensorsCheckpoint(tmp_path / "c") as fresh:
         assert fresh.tensor_digests()["w"] == digest_bytes(fresh.view("w"))
+
+
+def test_an_empty_range_overlaps_nothing_but_real_overlaps_are_refused() -> None:
+    """Overlap means an element in two items (spec §4.4); an empty range holds no element."""
+    from dcr_cli.format.manifest import parse_manifest
+
+    whole = ({"start": 0, "stop": 8}, 8)
+    assert len(parse_manifest(_manifest_with_items([8], [whole, ({"start": 4, "stop": 4}, 0)])).items) == 2
+    with pytest.raises(FormatError, match="overlap"):
+        parse_manifest(_manifest_with_items([8], [whole, ({"start": 7, "stop": 8}, 1)]))
+
+
+def test_ranges_and_boxes_never_mix_even_when_one_is_empty() -> None:
+    from dcr_cli.format.manifest import parse_manifest
+
+    raw = _manifest_with_items([8], [({"start": 0, "stop": 8}, 8), ({"offsets": [3], "sizes": [0]}, 0)])
+    with pytest.raises(FormatError, match="mix"):
+        parse_manifest(raw)

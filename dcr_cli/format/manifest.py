@@ -402,13 +402,14 @@ def _check_disjoint(items: list[Item]) -> None:
     for it in items:
         by_tensor.setdefault(it.tensor, []).append(it.region)
     for name, regions in by_tensor.items():
-        ranges = sorted((r.start, r.stop) for r in regions if not r.is_box)
+        if len({r.is_box for r in regions}) > 1:
+            raise FormatError(f"tensor {name!r}: items mix flat ranges and boxes")
+        # Overlap means an element in two items: empty regions hold none.
+        ranges = sorted((r.start, r.stop) for r in regions if not r.is_box and r.size > 0)
         for (_, stop_a), (start_b, _) in itertools.pairwise(ranges):
             if start_b < stop_a:
                 raise FormatError(f"tensor {name!r}: two items overlap")
         boxes = [r for r in regions if r.is_box and r.size > 0]
-        if boxes and ranges:
-            raise FormatError(f"tensor {name!r}: items mix flat ranges and boxes")
         boxes.sort(key=lambda r: r.offsets)
         for i, a in enumerate(boxes):
             for b in boxes[i + 1 :]:
