@@ -230,3 +230,13 @@ def test_ranges_and_boxes_never_mix_even_when_one_is_empty() -> None:
     raw = _manifest_with_items([8], [({"start": 0, "stop": 8}, 8), ({"offsets": [3], "sizes": [0]}, 0)])
     with pytest.raises(FormatError, match="mix"):
         parse_manifest(raw)
+
+
+@pytest.mark.parametrize("text", ["[1]", '"config"', "7"])
+def test_megatron_profile_that_is_not_an_object_is_a_clear_error(tmp_path: Path, text: str) -> None:
+    from dcr_cli.errors import IncompatibleError
+    from dcr_cli.sources.megatron import load_profile
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(IncompatibleError, match="not a JSON object"):
+        load_profile(tmp_path)
