@@ -240,3 +240,15 @@ def test_megatron_profile_that_is_not_an_object_is_a_clear_error(tmp_path: Path,
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(IncompatibleError, match="not a JSON object"):
         load_profile(tmp_path)
+
+
+def test_a_safetensors_symlink_out_of_the_checkpoint_is_refused_like_an_index_name(tmp_path: Path) -> None:
+    """Without an index, the glob followed symlinks anywhere: apply would write into the link's target."""
+    from helpers_checkpoints import write_checkpoint
+
+    outside = write_checkpoint(tmp_path / "blobs", {"w": ("U8", (4,), np.zeros(4, dtype=np.uint8))})
+    ckpt = tmp_path / "snapshot"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(FormatError, match="would escape"):
+        SafetensorsCheckpoint(ckpt)

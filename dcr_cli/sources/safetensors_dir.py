@@ -102,7 +102,9 @@ class SafetensorsCheckpoint:
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:
             raise IncompatibleError(f"{self.root} holds no *.safetensors files")
-        return files
+        # The same rule as for index names: a symlink out of the directory (e.g. into a shared blob
+        # store) would let an in-place apply change files that are not this checkpoint's.
+        return [safe_child(self.root, p.name) for p in files]
 
     def _add_file(self, file: Path) -> None:
         if not file.exists():
