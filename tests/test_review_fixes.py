@@ -252,3 +252,23 @@ def test_a_safetensors_symlink_out_of_the_checkpoint_is_refused_like_an_index_na
     (ckpt / "model.safetensors").symlink_to(outside / "model.safetensors")
     with pytest.raises(FormatError, match="would escape"):
         SafetensorsCheckpoint(ckpt)
+
+
+def test_changed_is_read_for_replace_items_only(tmp_path: Path) -> None:
+    """Spec §4.4: `changed` is informative for replace; on xor it made inspect under-count changes."""
+    from helpers_checkpoints import write_checkpoint
+
+    from dcr_cli.differ import diff
+    from dcr_cli.format.manifest import parse_manifest
+
+    values = np.zeros(4096, dtype=np.uint16)
+    changed = values.copy()
+    changed[::64] = 1
+    write_checkpoint(tmp_path / "a", {"w": ("BF16", (4096,), values)})
+    write_checkpoint(tmp_path / "b", {"w": ("BF16", (4096,), changed)})
+    diff(tmp_path / "a", tmp_path / "b", tmp_path / "d", workers=1)
+    obj = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert obj["items"][0]["op"] == "xor"
+    obj["items"][0]["changed"] = 0
+    item = parse_manifest(json.dumps(obj).encode()).items[0]
+    assert item.changed is None and item.changed_elements == 64

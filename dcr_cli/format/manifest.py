@@ -392,7 +392,7 @@ def _item(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[Bl
         post=post,
         repair=repair,
         residual=residual if isinstance(residual, str) else None,
-        changed=changed if _is_int(changed) and 0 <= changed <= count else None,
+        changed=changed if op == "replace" and _is_int(changed) and 0 <= changed <= count else None,  # spec §4.4
     )
 
 
