@@ -272,3 +272,17 @@ def test_changed_is_read_for_replace_items_only(tmp_path: Path) -> None:
     obj["items"][0]["changed"] = 0
     item = parse_manifest(json.dumps(obj).encode()).items[0]
     assert item.changed is None and item.changed_elements == 64
+
+
+def test_assemble_refuses_parts_that_disagree_on_the_version_labels(tmp_path: Path) -> None:
+    """The manifest took rank 0's labels: a rank run with another --target-version went unnoticed."""
+    from dcr_cli.delta.parts import assemble
+
+    for rank, label in ((0, "v1"), (1, "v2")):
+        d = tmp_path / "out" / "parts" / f"rank-{rank:05d}"
+        d.mkdir(parents=True)
+        part = _part_obj(rank=rank, world_size=2, base_version="v0", target_version=label)
+        (d / "part.json").write_text(json.dumps(part))
+    with pytest.raises(FormatError, match="target_version"):
+        assemble(tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()

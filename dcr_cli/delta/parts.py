@@ -158,6 +158,9 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
     layout = objs[0]["tensors"]
     if any(o["tensors"] != layout for o in objs):
         raise FormatError(f"{out}: parts disagree on the canonical tensor table (different checkpoints?)")
+    for key in ("base_version", "target_version", "residual_tensors"):  # the manifest takes rank 0's
+        if any(o.get(key) != objs[0].get(key) for o in objs):
+            raise FormatError(f"{out}: parts disagree on {key} (ranks run with different options?); rerun them")
     base_digests: dict[str, str] = {}
     target_digests: dict[str, str] = {}
     for o in objs:
