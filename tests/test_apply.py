@@ -517,12 +517,24 @@ def test_torn_xor_item_without_repair_block_is_refused_clearly(
     assert read_raw(recv) == read_raw(v1)
 
 
-def test_corrupt_state_file_is_a_clear_error(two_versions: tuple[Path, Path, Path]) -> None:
+@pytest.mark.parametrize(
+    "state",
+    [
+        "{not json",
+        '{"format": "dcr.receiver-state", "format_version": 1, "applying": {"delta_id": "x", "base": 5}}',
+        '{"format": "dcr.receiver-state", "format_version": 1,'
+        ' "applying": {"delta_id": "x", "base": {"version": "a", "fingerprint": "' + "0" * 64 + '"}, "target": 3}}',
+        '{"format": "dcr.receiver-state", "format_version": 1, "version": 5, "fingerprint": 7}',
+    ],
+)
+def test_corrupt_state_file_is_a_clear_error(two_versions: tuple[Path, Path, Path], state: str) -> None:
     recv, delta, _ = two_versions
     (recv / ".dcr").mkdir()
-    (recv / ".dcr" / "state.json").write_text("{not json")
+    (recv / ".dcr" / "state.json").write_text(state)
     with pytest.raises(FormatError, match="receiver state"):
         dcr_cli.apply(delta, into=recv)
+    code, _, err = run_cli("verify", str(recv))
+    assert code == 2 and "receiver state" in err
 
 
 def test_mapped_reader_sees_intact_headers_and_the_new_bits(two_versions: tuple[Path, Path, Path]) -> None:

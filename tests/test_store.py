@@ -352,3 +352,64 @@ def test_hint_and_records_are_not_trusted_blindly(deltas: tuple[list[Path], list
     store.put("dcr-store.json", marker)
     with pytest.raises(FormatError, match="upgrade dcr"):
         status(url)
+
+
+def test_genesis_label_cannot_be_reused_and_a_looping_chain_fails_instead_of_hanging(tmp_path: Path) -> None:
+    """commits/<genesis>.json naming a version labelled like the genesis made every head walk loop forever."""
+    import json
+
+    from dcr_cli.differ import diff
+
+    ckpts, (d1, _) = make_deltas(tmp_path / "a", 2)
+    url = str(tmp_path / "store")
+    _publish_chain(url, [d1])
+    diff(ckpts[1], ckpts[2], tmp_path / "again-v0", base_version="v1", target_version="v0", workers=1)
+    with pytest.raises(ConflictError, match="genesis"):
+        push(tmp_path / "again-v0", url)
+
+    # A store damaged into a loop (commits/v1.json naming "v0" back): a walk must fail, not spin.
+    first = json.loads((tmp_path / "store" / "commits" / "v0.json").read_text())
+    looping = {**first, "version": "v0", "base": first["target"], "target": first["base"]}
+    (tmp_path / "store" / "commits" / "v1.json").write_text(json.dumps(looping))
+    outcome: list[BaseException | dict] = []
+
+    def walk() -> None:
+        try:
+            outcome.append(status(url))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=walk, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "dcr status loops on a looping commit chain"
+    assert isinstance(outcome[0], DcrError) and "loops" in str(outcome[0])
+
+
+def test_base_label_that_is_a_path_cannot_escape_the_store(tmp_path: Path) -> None:
+    """The genesis label names commits/<label>.json and children/<label>/: it was never checked."""
+    import json
+
+    from store_fixtures import base_tensors, step, write_checkpoint
+
+    from dcr_cli.differ import diff
+
+    c0 = write_checkpoint(tmp_path / "c0", base_tensors(0, 256))
+    c1 = write_checkpoint(tmp_path / "c1", step(base_tensors(0, 256), 1))
+    diff(c0, c1, tmp_path / "d", base_version="../../evil", target_version="v1", workers=1)
+    url = str(tmp_path / "sub" / "store")
+    with pytest.raises(DcrError, match="not a valid label"):
+        push(tmp_path / "d", url)
+    assert not (tmp_path / "evil").exists() and not (tmp_path / "sub" / "evil").exists()
+    assert not (tmp_path / "sub" / "store" / "dcr-store.json").exists()
+
+    # A marker damaged (or written by another tool) with such a label is refused when read.
+    (tmp_path / "sub" / "store").mkdir(parents=True, exist_ok=True)
+    marker = {
+        "format": "dcr.store",
+        "format_version": [1, 0],
+        "genesis": {"version": "../../evil", "fingerprint": "0" * 64},
+    }
+    (tmp_path / "sub" / "store" / "dcr-store.json").write_text(json.dumps(marker))
+    with pytest.raises(DcrError, match="not a valid label"):
+        status(url)

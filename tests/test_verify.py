@@ -14,6 +14,7 @@ import dcr_cli
 from dcr_cli.cli import main
 from dcr_cli.differ import diff
 from dcr_cli.errors import IncompatibleError
+from dcr_cli.format.digest import digest_bytes
 from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 
 
@@ -125,3 +126,29 @@ def test_verify_after_apply_flag(tmp_path: Path) -> None:
     code, out, err = run_cli("apply", tmp_path / "d", "--into", recv, "--verify")
     assert code == 0, err
     assert "ok, 1 tensors match" in out
+
+
+def test_against_a_delta_whose_table_was_tampered_is_refused(applied: tuple[Path, Path]) -> None:
+    """A table edited to match a wrong checkpoint must not make verify say ok: it is tied to the fingerprint."""
+    recv, delta = applied
+    flip_bit(recv, "a")
+    with SafetensorsCheckpoint(recv) as ckpt:
+        wrong = digest_bytes(ckpt.view("a"))
+    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest["tensors"]["a"]["digest"] = wrong
+    (delta / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli("verify", recv, "--against", delta)
+    assert code == 2 and "fingerprint" in err
+
+
+def test_missing_checkpoint_directory_is_named_as_such(tmp_path: Path) -> None:
+    code, _, err = run_cli("verify", tmp_path / "nope")
+    assert code == 2 and "is not a checkpoint directory" in err
+
+
+@pytest.mark.parametrize("table", ['{"tensors": []}', "[1]", '{"tensors": {"a": 5}}', "{trunc"])
+def test_damaged_recorded_table_is_a_clear_error(applied: tuple[Path, Path], table: str) -> None:
+    recv, _ = applied
+    (recv / ".dcr" / "table.json").write_text(table)
+    code, _, err = run_cli("verify", recv)
+    assert code == 2 and "no tensor table" in err

@@ -23,9 +23,12 @@ def command(delta: str, as_json: bool, show_all: bool) -> None:
         emit_json(report.to_json())
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"{report.base_version} -> {report.target_version}  (format {report.format_version})")
+    # Labels, tensor names and reasons come from the manifest: print them verbatim, never as rich markup.
+    title = f"{report.base_version} -> {report.target_version}  (format {report.format_version})"
+    table = Table(title=escape(title))
     for col, justify in (
         ("tensor", "left"),
         ("dtype", "left"),
@@ -39,14 +42,14 @@ def command(delta: str, as_json: bool, show_all: bool) -> None:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in report.tensors:
         table.add_row(
-            r.tensor,
-            r.dtype,
+            escape(r.tensor),
+            escape(r.dtype),
             f"{r.changed_elements:,}",
             f"{r.change_rate:.2%}",
             ",".join(r.ops) or "-",
             human_bytes(r.payload_bytes),
             f"{r.ratio:.1f}x" if r.ratio else "-",
-            r.residual or "",
+            escape(r.residual or ""),
         )
     console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: never cut tensor names
     console.print(table)

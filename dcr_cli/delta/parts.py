@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConflictError, FormatError
+from ..format.digest import is_digest
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import (
     BLOCKS_DIR,
@@ -80,7 +81,7 @@ def complete_parts(out: str | os.PathLike[str]) -> tuple[int, list[Path]] | None
     parts = sorted(p for p in root.glob("rank-*") if (p / PART_NAME).is_file()) if root.is_dir() else []
     if not parts:
         return None
-    world = json.loads((parts[0] / PART_NAME).read_text())["world_size"]
+    world = _load_part(parts[0])["world_size"]
     return (world, parts) if len(parts) == world else None
 
 
@@ -98,15 +99,44 @@ def try_assemble_last(out: str | os.PathLike[str]) -> Manifest | None:
     return manifest
 
 
+# Top-level fields of part.json and the JSON types assembly relies on.
+_PART_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "rank": int,
+    "world_size": int,
+    "tensors": dict,
+    "base_digests": dict,
+    "target_digests": dict,
+    "blocks": list,
+    "items": list,
+}
+
+
 def _load_part(path: Path) -> dict[str, Any]:
+    """Read and check one part.json: a truncated or foreign file is a FormatError, never a KeyError."""
+    file = path / PART_NAME
     try:
-        obj = json.loads((path / PART_NAME).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path / PART_NAME} is unreadable ({exc.__class__.__name__})") from None
-    if obj.get("format") != PART_FORMAT or not isinstance(obj.get("format_version"), list):
-        raise FormatError(f"{path / PART_NAME} is not a dcr delta part")
-    if obj["format_version"][0] != 1:
-        raise FormatError(f"{path / PART_NAME}: part format major {obj['format_version'][0]} unsupported; upgrade dcr")
+        obj = json.loads(file.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{file} is unreadable ({exc.__class__.__name__}); rerun that rank") from None
+    if not isinstance(obj, dict):
+        raise FormatError(f"{file} is not a dcr delta part")
+    version = obj.get("format_version")
+    if obj.get("format") != PART_FORMAT or not (isinstance(version, list) and version):
+        raise FormatError(f"{file} is not a dcr delta part")
+    if version[0] != 1:
+        raise FormatError(f"{file}: part format major {version[0]} unsupported; upgrade dcr")
+    for key, kind in _PART_FIELDS.items():
+        if not isinstance(obj.get(key), kind) or isinstance(obj.get(key), bool):
+            raise FormatError(f"{file}: field {key!r} is missing or not a {getattr(kind, '__name__', kind)}")
+    for t in obj["tensors"].values():
+        if not (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)):
+            raise FormatError(f"{file}: tensors need a dtype string and a shape list")
+    for b in obj["blocks"]:
+        # Block ids become file names below: only a digest can be one (no path may escape the delta).
+        if not isinstance(b, dict) or not is_digest(b.get("id")) or not isinstance(b.get("size"), int):
+            raise FormatError(f"{file}: blocks need a 64-hex id and an integer size")
+        if b.get("role", "data") not in ("data", "repair"):
+            raise FormatError(f"{file}: unknown block role {b.get('role')!r}")
     return obj
 
 
@@ -128,6 +158,9 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
     layout = objs[0]["tensors"]
     if any(o["tensors"] != layout for o in objs):
         raise FormatError(f"{out}: parts disagree on the canonical tensor table (different checkpoints?)")
+    for key in ("base_version", "target_version", "residual_tensors"):  # the manifest takes rank 0's
+        if any(o.get(key) != objs[0].get(key) for o in objs):
+            raise FormatError(f"{out}: parts disagree on {key} (ranks run with different options?); rerun them")
     base_digests: dict[str, str] = {}
     target_digests: dict[str, str] = {}
     for o in objs:
@@ -147,7 +180,7 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
     for path, o in zip(parts, objs, strict=True):
         remap = []
         for b in o["blocks"]:
-            entry = BlockEntry(b["id"], b["size"], b["role"])
+            entry = BlockEntry(b["id"], b["size"], b.get("role", "data"))
             src, dst = path / BLOCKS_DIR / entry.id, out / BLOCKS_DIR / entry.id
             if not dst.exists():
                 if not src.exists():
@@ -160,8 +193,11 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
                 block_index[k] = len(blocks)
                 blocks.append(entry)
             remap.append(block_index[k])
-        for raw in o["items"]:
-            items.append(_remap_item(raw, remap))
+        for i, raw in enumerate(o["items"]):
+            try:
+                items.append(_remap_item(raw, remap))
+            except (KeyError, TypeError, IndexError, AttributeError):
+                raise FormatError(f"{path / PART_NAME}: items[{i}] is malformed; rerun that rank") from None
     fsync_dir(out / BLOCKS_DIR)
 
     tensors = {n: TensorEntry(t["dtype"], tuple(t["shape"]), target_digests[n]) for n, t in sorted(layout.items())}
@@ -196,6 +232,8 @@ def _remap_item(raw: dict[str, Any], remap: list[int]) -> Item:
     from ..format.manifest import Region
 
     def section(obj: dict[str, Any]) -> Section:
+        if not isinstance(obj["block"], int) or obj["block"] < 0:
+            raise IndexError(obj["block"])  # a negative index would silently name another block
         return Section(remap[obj["block"]], obj["offset"], obj["length"], obj["digest"])
 
     return Item(

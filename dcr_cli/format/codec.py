@@ -70,6 +70,38 @@ def compress(data: np.ndarray, level: int | None) -> bytes:
     return _compressor(level).compress(np.ascontiguousarray(data).view(np.uint8).data)
 
 
+def _check_single_frame(frame: bytes | memoryview, what: str) -> None:
+    """The section must be exactly one zstd frame carrying its content checksum (format_spec §5.2).
+
+    zstd's one-shot decoder stops after the first frame and ignores whatever
+    follows, so the frame's extent is found by walking its block headers
+    (RFC 8878 §3.1.1.2): a few bytes per 128 KiB block.
+    """
+    view = memoryview(frame).cast("B")
+    try:
+        params = zstandard.get_frame_parameters(view)
+        pos = zstandard.frame_header_size(view)
+    except zstandard.ZstdError:
+        raise IntegrityError(f"{what}: not a zstd frame") from None
+    if not params.has_checksum:
+        raise IntegrityError(f"{what}: zstd frame carries no content checksum")
+    while True:
+        if pos + 3 > len(view):
+            raise IntegrityError(f"{what}: zstd frame is truncated")
+        header = int.from_bytes(view[pos : pos + 3], "little")
+        kind, size = (header >> 1) & 3, header >> 3
+        if kind == 3:
+            raise IntegrityError(f"{what}: corrupt zstd frame (reserved block type)")
+        pos += 3 + (1 if kind == 1 else size)  # an RLE block stores its one byte
+        if header & 1:  # last block
+            break
+    pos += 4  # content checksum
+    if pos > len(view):
+        raise IntegrityError(f"{what}: zstd frame is truncated")
+    if pos < len(view):
+        raise IntegrityError(f"{what}: {len(view) - pos} bytes follow the zstd frame; a section holds exactly one")
+
+
 def decompress_bounded(frame: bytes | memoryview, least: int, most: int, what: str) -> np.ndarray:
     """Decompress one zstd frame whose decoded size the manifest bounds in advance.
 
@@ -82,6 +114,7 @@ def decompress_bounded(frame: bytes | memoryview, least: int, most: int, what: s
         raise IntegrityError(f"{what}: not a zstd frame") from None
     if not least <= declared <= most:
         raise IntegrityError(f"{what}: frame declares {declared} bytes, manifest allows {least}..{most}")
+    _check_single_frame(frame, what)
     try:
         out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared)
     except zstandard.ZstdError as exc:

@@ -392,7 +392,7 @@ def _item(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[Bl
         post=post,
         repair=repair,
         residual=residual if isinstance(residual, str) else None,
-        changed=changed if _is_int(changed) and 0 <= changed <= count else None,
+        changed=changed if op == "replace" and _is_int(changed) and 0 <= changed <= count else None,  # spec §4.4
     )
 
 
@@ -402,13 +402,14 @@ def _check_disjoint(items: list[Item]) -> None:
     for it in items:
         by_tensor.setdefault(it.tensor, []).append(it.region)
     for name, regions in by_tensor.items():
-        ranges = sorted((r.start, r.stop) for r in regions if not r.is_box)
+        if len({r.is_box for r in regions}) > 1:
+            raise FormatError(f"tensor {name!r}: items mix flat ranges and boxes")
+        # Overlap means an element in two items: empty regions hold none.
+        ranges = sorted((r.start, r.stop) for r in regions if not r.is_box and r.size > 0)
         for (_, stop_a), (start_b, _) in itertools.pairwise(ranges):
             if start_b < stop_a:
                 raise FormatError(f"tensor {name!r}: two items overlap")
         boxes = [r for r in regions if r.is_box and r.size > 0]
-        if boxes and ranges:
-            raise FormatError(f"tensor {name!r}: items mix flat ranges and boxes")
         boxes.sort(key=lambda r: r.offsets)
         for i, a in enumerate(boxes):
             for b in boxes[i + 1 :]:
@@ -417,7 +418,8 @@ def _check_disjoint(items: list[Item]) -> None:
 
 
 def _boxes_overlap(a: Region, b: Region) -> bool:
-    assert a.offsets and a.sizes and b.offsets and b.sizes
+    # A scalar's box has empty offsets and sizes: two of them overlap (all() of nothing is True).
+    assert a.offsets is not None and a.sizes is not None and b.offsets is not None and b.sizes is not None
     return all(
         ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
     )

@@ -95,15 +95,23 @@ def read_state(root: str | os.PathLike[str]) -> ReceiverState | None:
             )
         applying = obj.get("applying")
         if applying is not None and not (
-            isinstance(applying.get("delta_id"), str) and "fingerprint" in applying["base"]
+            isinstance(applying.get("delta_id"), str)
+            and _is_ref(applying.get("base"))
+            and _is_ref(applying.get("target"))
         ):
             raise ValueError
+        version, fp = obj.get("version"), obj.get("fingerprint")
+        if not (version is None or isinstance(version, str)) or not (fp is None or is_digest(fp)):
+            raise ValueError
         history = [h for h in obj.get("history") or [] if is_digest(h)]
-        return ReceiverState(
-            obj.get("version"), obj.get("fingerprint"), applying, dict(obj.get("files") or {}), history
-        )
+        return ReceiverState(version, fp, applying, dict(obj.get("files") or {}), history)
     except (ValueError, TypeError, AttributeError, KeyError):
         raise FormatError(f"{path} is not a dcr receiver state file; remove it to re-establish the version") from None
+
+
+def _is_ref(obj: Any) -> bool:
+    """A {version, fingerprint} pair as the state records it."""
+    return isinstance(obj, dict) and isinstance(obj.get("version"), str) and is_digest(obj.get("fingerprint"))
 
 
 def write_state(root: Path, state: ReceiverState) -> None:
@@ -136,7 +144,7 @@ def read_recorded_table(root: str | os.PathLike[str], expected_fingerprint: str)
     try:
         obj = json.loads(path.read_bytes())
         table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in obj["tensors"].items()}
-    except (FileNotFoundError, ValueError, TypeError, KeyError):
+    except (FileNotFoundError, ValueError, TypeError, KeyError, AttributeError):
         return None
     return table if fingerprint(table) == expected_fingerprint else None
 
@@ -362,10 +370,8 @@ def plan_chain(
             )
     plan: list[Delta] = [resume] if resume else []
     fp = resume.manifest.target.fingerprint if resume else start_fp
-    seen = {start_fp}
-    while fp in by_base and by_base[fp] not in plan:
+    while fp in by_base and by_base[fp] not in plan:  # "not in plan": a cycle of deltas ends the chain
         plan.append(by_base[fp])
-        seen.add(fp)
         fp = by_base[fp].manifest.target.fingerprint
     # Deltas that lead up to where the receiver already is were applied before.
     behind_fps = {resume.manifest.base.fingerprint if resume else start_fp, *history}

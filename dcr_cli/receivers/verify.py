@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..differ import default_workers, ordered_parallel
-from ..errors import IncompatibleError
+from ..errors import IncompatibleError, IntegrityError
 from ..format.digest import digest_bytes
 from ..format.manifest import TensorEntry, fingerprint
 from ..sources.safetensors_dir import SafetensorsCheckpoint
@@ -107,11 +107,18 @@ def verify(
     from .checkpoint import read_recorded_table, read_state
 
     root = Path(checkpoint)
+    if not root.is_dir():
+        raise IncompatibleError(f"{root} is not a checkpoint directory")
     if against is not None:
         from ..delta.reader import Delta
 
         delta = Delta.open(against)
         expected = delta.manifest.tensors
+        if fingerprint(expected) != delta.manifest.target.fingerprint:
+            raise IntegrityError(
+                f"{against}: manifest tensor table does not match its target fingerprint (tampered?); "
+                "nothing to verify against — fetch the delta again"
+            )
         expected_version: str | None = delta.manifest.target.version
         label = str(against)
     else:

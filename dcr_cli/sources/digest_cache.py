@@ -2,9 +2,12 @@
 
 In a refit stream, step N is the target of one diff and the base of the next. The cache remembers
 the digests computed for a file, keyed by the file's identity and change times (path, size, inode,
-mtime and ctime in ns: ctime cannot be set by user space, and any write moves it). A stale or
-corrupt entry can only make a delta name a wrong base fingerprint, which receivers then refuse;
-it can never make them write wrong bits. Set DCR_CACHE_DIR to move it, or to "" to disable it.
+mtime and ctime in ns: ctime cannot be set by user space, and any write moves it). The key is
+taken when the checkpoint is opened, before hashing, so a file written during the hash is not
+cached. A stale or corrupt entry can only make a delta name wrong tensor digests or fingerprints
+(receivers refuse a wrong base; dcr verify reports a wrong target); items carry their own pre/post
+digests, so it can never make a receiver write wrong bits. Set DCR_CACHE_DIR to move it, or to ""
+to disable it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ def cache_dir() -> Path | None:
     if configured:
         return Path(configured)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dcr" / "digests"
+
+
+def key(file: Path) -> str:
+    """The cache key of the file as it is now; take it before hashing and pass it to ``save``."""
+    return _key(file)
 
 
 def _key(file: Path) -> str:
@@ -44,13 +52,20 @@ def load(file: Path) -> dict[str, str]:
     return data
 
 
-def save(file: Path, digests: dict[str, str]) -> None:
+def save(file: Path, digests: dict[str, str], hashed_key: str) -> None:
+    """Remember ``digests``, computed from ``file`` while its key was ``hashed_key``.
+
+    A file written while it was being hashed has a new key by now: its digests
+    describe neither version, so they are not kept under either key.
+    """
     root = cache_dir()
     if root is None or not digests:
         return
     try:
+        if _key(file) != hashed_key:
+            return
         root.mkdir(parents=True, exist_ok=True)
-        path = root / _key(file)
+        path = root / hashed_key
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_text(json.dumps(digests))
         os.replace(tmp, path)

@@ -54,9 +54,12 @@ def load_profile(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     if p.is_dir():
         p = p / "config.json"
     try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        profile = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
         raise IncompatibleError(f"cannot read the Megatron profile {p}: {exc}") from None
+    if not isinstance(profile, dict):
+        raise IncompatibleError(f"the Megatron profile {p} is not a JSON object (give the model's HF config.json)")
+    return profile
 
 
 _HF_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}

@@ -7,6 +7,7 @@ map, so reading costs page cache, not heap, and nothing is ever converted.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import mmap
 import os
@@ -21,6 +22,7 @@ from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from ..format.manifest import TensorEntry
+from . import digest_cache
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20
@@ -64,8 +66,10 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise FormatError(f"{path}: safetensors header is truncated")
     try:
         header = json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise FormatError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + length
 
 
@@ -78,27 +82,36 @@ class SafetensorsCheckpoint:
             raise IncompatibleError(f"{self.root} is not a checkpoint directory")
         self.tensors: dict[str, TensorLocation] = {}
         self._maps: dict[Path, mmap.mmap] = {}
-        for file in self._files():
+        files = self._files()
+        # Digest-cache keys as the files were before anything was hashed (see remember_digests).
+        self._cache_keys: dict[Path, str] = {}
+        for file in files:
             self._add_file(file)
+            self._cache_keys[file] = digest_cache.key(file)
 
     def _files(self) -> list[Path]:
         index = self.root / INDEX_NAME
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise FormatError(f"{index}: not a valid safetensors index (needs weight_map)") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                weight_map = None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise FormatError(f"{index}: not a valid safetensors index (needs weight_map: tensor -> file name)")
             return sorted({safe_child(self.root, f) for f in weight_map.values()})
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:
             raise IncompatibleError(f"{self.root} holds no *.safetensors files")
-        return files
+        # The same rule as for index names: a symlink out of the directory (e.g. into a shared blob
+        # store) would let an in-place apply change files that are not this checkpoint's.
+        return [safe_child(self.root, p.name) for p in files]
 
     def _add_file(self, file: Path) -> None:
         if not file.exists():
             raise IncompatibleError(f"{file} is listed in the index but missing")
         header, data_start = read_header(file)
         size = file.stat().st_size
+        spans: list[tuple[int, int, str]] = []
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
@@ -111,9 +124,16 @@ class SafetensorsCheckpoint:
             except (KeyError, TypeError, ValueError):
                 raise FormatError(f"{file}: bad header entry for {name!r}") from None
             nbytes = numel(shape) * dt.itemsize
-            if end - begin != nbytes or data_start + end > size or begin < 0:
+            if any(s < 0 for s in shape) or end - begin != nbytes or data_start + end > size or begin < 0:
                 raise FormatError(f"{file}: data of {name!r} is truncated or inconsistent with its shape")
             self.tensors[name] = TensorLocation(name, dt.name, shape, file, data_start + begin, nbytes)
+            if nbytes:
+                spans.append((begin, end, name))
+        # Two tensors sharing bytes would let an in-place write to one silently change the other.
+        spans.sort()
+        for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
+            if begin_b < end_a:
+                raise FormatError(f"{file}: the data of {name_a!r} and {name_b!r} overlap (not valid safetensors)")
 
     def _map(self, file: Path) -> mmap.mmap:
         m = self._maps.get(file)
@@ -138,24 +158,20 @@ class SafetensorsCheckpoint:
 
     def cached_digests(self) -> dict[str, str]:
         """Tensor digests remembered for these exact files (see digest_cache); may be partial."""
-        from . import digest_cache
-
         out: dict[str, str] = {}
         for file in {t.file for t in self.tensors.values()}:
-            cached = digest_cache.load(file)
+            cached = digest_cache.load(file) if digest_cache.key(file) == self._cache_keys[file] else {}
             out.update({n: cached[n] for n, t in self.tensors.items() if t.file == file and n in cached})
         return out
 
     def remember_digests(self, digests: dict[str, str]) -> None:
-        """Store the digests of every file whose tensors are all in ``digests``."""
-        from . import digest_cache
-
+        """Store the digests of every file whose tensors are all in ``digests``, unless it changed since opened."""
         by_file: dict[Path, dict[str, str]] = {}
         for name, loc in self.tensors.items():
             by_file.setdefault(loc.file, {})[name] = digests.get(name, "")
         for file, table in by_file.items():
             if all(table.values()):
-                digest_cache.save(file, table)
+                digest_cache.save(file, table, self._cache_keys[file])
 
     def tensor_digests(self) -> dict[str, str]:
         """Digests of every tensor's stored bytes, computed where the cache has none."""

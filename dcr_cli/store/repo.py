@@ -116,6 +116,9 @@ class Ref:
             or not is_digest(obj.get("fingerprint"))
         ):
             raise FormatError(f"{where}: needs a string version and a 64-hex fingerprint")
+        if not _LABEL.fullmatch(obj["version"]) or obj["version"].endswith(".json"):
+            # Labels become object names (commits/<base>.json, children/<base>/): never a path.
+            raise FormatError(f"{where}: version {obj['version']!r} is not a valid label; the store is damaged")
         return Ref(obj["version"], obj["fingerprint"])
 
 
@@ -444,6 +447,7 @@ class Store:
 
     def init(self, genesis: Ref) -> Ref:
         """Create the store marker if absent (create-only); return the store's genesis either way."""
+        check_label(genesis.version, "the delta's base version (the store's genesis label)")
         marker = {
             "format": STORE_FORMAT,
             "format_version": [STORE_MAJOR, STORE_MINOR],
@@ -522,9 +526,12 @@ class Store:
 
     def head(self) -> Ref:
         """The newest committed state: the only base a producer may diff against."""
-        start = self._hinted_head()
-        current = start
+        current = self._hinted_head()
+        seen = {current.version}
         while (record := self.commit_on(current.version)) is not None:
+            if record.version in seen:
+                raise FormatError(f"{self.url}: the commit chain loops at {record.version!r}; the store is damaged")
+            seen.add(record.version)
             current = record.target
         return current
 

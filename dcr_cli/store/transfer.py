@@ -132,7 +132,13 @@ def push(
     version = check_label(manifest.target.version, "the delta's target version")
     store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
     store.require_atomic_publish()
-    store.init(Ref(manifest.base.version, manifest.base.fingerprint))
+    genesis = store.init(Ref(manifest.base.version, manifest.base.fingerprint))
+    if version == genesis.version:
+        # commits/<genesis>.json would name a version whose own commit record is itself: the chain would loop.
+        raise ConflictError(
+            f"{url}: {version!r} is the label of the store's genesis state; label this delta differently "
+            "(dcr diff --target-version)"
+        )
     unique = list({b.id: b for b in manifest.blocks}.values())
 
     existing = store.version(version)

@@ -180,6 +180,32 @@ def make_bad(basic: Path) -> None:
     variant("tampered-block", "a block byte was changed: section digests no longer match", edit_blocks=flip)
     variant("truncated-block", "a block lost its last bytes", edit_blocks=truncate)
 
+    # Item 0's data section plus one byte after its values frame, in a block of its own whose id,
+    # size and section digest are all consistent: only the one-frame rule (§5.2) rejects it.
+    section = manifest["items"][0]["data"]
+    source = basic / "delta" / "blocks" / manifest["blocks"][section["block"]]["id"]
+    padded = source.read_bytes()[section["offset"] : section["offset"] + section["length"]] + b"\0"
+
+    def pad_frame(m: dict) -> None:
+        m["blocks"].append({"id": digest_bytes(padded), "size": len(padded), "role": "data"})
+        m["items"][0]["data"] = {
+            **section,
+            "block": len(m["blocks"]) - 1,
+            "offset": 0,
+            "length": len(padded),
+            "digest": digest_bytes(padded),
+        }
+
+    def write_padded(delta: Path) -> None:
+        (delta / "blocks" / digest_bytes(padded)).write_bytes(padded)
+
+    variant(
+        "bytes-after-frame",
+        "a values frame is followed by a byte (digests consistent): a section is exactly one zstd frame",
+        pad_frame,
+        write_padded,
+    )
+
 
 if __name__ == "__main__":
     make_bad(make_basic())
