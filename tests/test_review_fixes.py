@@ -286,3 +286,36 @@ def test_assemble_refuses_parts_that_disagree_on_the_version_labels(tmp_path: Pa
     with pytest.raises(FormatError, match="target_version"):
         assemble(tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_hardlinked_checkpoint_file_is_refused(tmp_path):
+    import os
+
+    import pytest
+    from checkpoints import read_bits
+    from store_fixtures import make_deltas
+
+    import dcr_cli
+    from dcr_cli.errors import IncompatibleError
+
+    ckpts, deltas = make_deltas(tmp_path / "src", 1)
+    receiver = tmp_path / "receiver"
+    receiver.mkdir()
+    for f in ckpts[0].iterdir():
+        os.link(f, receiver / f.name)  # a cp -al snapshot: same inodes as the source checkpoint
+    with pytest.raises(IncompatibleError, match="hard links"):
+        dcr_cli.apply(deltas[0], into=receiver)
+    assert read_bits(ckpts[0]) == read_bits(receiver)  # neither name of the file was changed
+
+
+def test_nan_rate_and_duration_are_refused():
+    import pytest
+
+    from dcr_cli.cli.store_options import parse_duration, parse_rate
+    from dcr_cli.errors import DcrError
+
+    for bad in ("nan", "inf"):
+        with pytest.raises(DcrError):
+            parse_rate(bad)
+        with pytest.raises(DcrError):
+            parse_duration(bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -54,8 +55,8 @@ def parse_rate(text: str | None) -> float | None:
         value = float(raw[: len(raw) - len(unit)]) * _UNITS[unit]
     except ValueError:
         raise DcrError(f"--limit-rate {text!r}: give bytes per second, e.g. 50M or 1G") from None
-    if value <= 0:
-        raise DcrError("--limit-rate must be positive")
+    if not math.isfinite(value) or value <= 0:
+        raise DcrError("--limit-rate must be a positive number of bytes per second")
     return value
 
 
@@ -67,6 +68,6 @@ def parse_duration(text: str) -> float:
         value = float(raw[: len(raw) - len(unit)]) * _SECONDS[unit]
     except ValueError:
         raise DcrError(f"{text!r} is not a duration: use e.g. 0, 90s, 30m, 1h") from None
-    if value < 0:
-        raise DcrError("a duration cannot be negative")
+    if not math.isfinite(value) or value < 0:
+        raise DcrError(f"{text!r} is not a duration: use e.g. 0, 90s, 30m, 1h")
     return value

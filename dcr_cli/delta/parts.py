@@ -94,9 +94,10 @@ def try_assemble_last(out: str | os.PathLike[str]) -> Manifest | None:
     except FileExistsError:
         return None  # another producer is assembling
     os.close(fd)
-    manifest = assemble(out)
-    (Path(out) / LOCK_NAME).unlink(missing_ok=True)
-    return manifest
+    try:
+        return assemble(out)
+    finally:
+        (Path(out) / LOCK_NAME).unlink(missing_ok=True)  # a failed assembly can be re-run (dcr assemble)
 
 
 # Top-level fields of part.json and the JSON types assembly relies on.

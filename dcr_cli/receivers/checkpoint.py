@@ -428,6 +428,14 @@ def check_layout(delta: Delta, ckpt: SafetensorsCheckpoint, root: Path) -> None:
     extra = sorted(set(ckpt.tensors) - set(tensors))
     if extra:
         raise IncompatibleError(f"tensor {extra[0]!r} of {root} is not in {delta.url} ({len(extra)} such)")
+    for file in sorted({loc.file for loc in ckpt.tensors.values()}):
+        links = file.stat().st_nlink
+        if links > 1:
+            # An in-place write would change every other name of the file too (cp -al snapshots, caches).
+            raise IncompatibleError(
+                f"{file} has {links} hard links; applying in place would change the other copies too: "
+                "replace it with a private copy (cp --reflink=auto) first"
+            )
 
 
 # --------------------------------------------------------------------------- apply

@@ -11,6 +11,7 @@ kept, the rest is transferred.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -383,7 +384,9 @@ def _pull_record(
             already_present=already,
         )
 
-    if out.exists():
+    def already_pulled() -> PullResult | None:
+        if not out.exists():
+            return None
         held = out / MANIFEST_NAME
         if held.is_file() and digest_bytes(held.read_bytes()) == record.manifest:
             present = [b for b in wanted if _local_block_ok(out / BLOCKS_DIR / b.id, b)]
@@ -394,6 +397,10 @@ def _pull_record(
             "choose another -o or remove it"
         )
 
+    done = already_pulled()
+    if done is not None:
+        return done
+
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial"
     partial.mkdir(exist_ok=True)
@@ -402,6 +409,9 @@ def _pull_record(
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConflictError(f"another dcr pull is writing {out}; wait for it to finish") from None
+        done = already_pulled()  # a concurrent pull may have finished between our check and the lock
+        if done is not None:
+            return done
         state = partial / PULL_STATE
         if not state.exists() or state.read_bytes() != record.manifest.encode():
             # A partial download of some other version: start over.
@@ -445,10 +455,14 @@ def _pull_record(
         write_atomic(partial / MANIFEST_NAME, raw)
         fsync_dir(blocks_dir)
         state.unlink()
-        (partial / ".lock").unlink()
         fsync_dir(partial)
+        # Rename while still holding the lock; only then drop the lock file (now inside out, where
+        # readers ignore it). Unlinking it first would let a second pull lock a fresh file and
+        # clear the blocks under us before the rename.
         os.rename(partial, out)
         fsync_dir(out.parent)
+        with contextlib.suppress(FileNotFoundError):
+            (out / ".lock").unlink()
     return result(missing, reused, False)
 
 
