@@ -22,13 +22,17 @@ Value-changing conversions are residual: a stored dtype other than the HF one
 
 The model's dimensions come from the Hugging Face ``config.json`` of the
 receiver's model (``--profile``), optionally with a ``"megatron"`` object:
-``{"zero_centered_gamma": bool, "prefix": str}``.
+``{"zero_centered_gamma": bool, "prefix": str}``. A ``quantization_config`` with
+``"quant_method": "fp8"`` (DeepSeek-V3 style) makes the attention and MLP linear
+weights FP8 block-quantized, each with a ``weight_scale_inv``: both residual (fp8.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, IncompatibleError
-from .shards import CanonicalTensor, Segment, ShardReader
+from .fp8 import DEFAULT_BLOCK, fp8_convert, scale_shape
+from .shards import CanonicalTensor, Segment, ShardReader, StoredTensor
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
@@ -207,6 +212,60 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
             add(gate, (inter, hidden), [Segment(fc1, (layer, 0, 0), (1, inter, hidden), gate, (0, 0))])
             add(up, (inter, hidden), [Segment(fc1, (layer, inter, 0), (1, inter, hidden), up, (0, 0))])
         per_layer(need(mlp + "linear_fc2.weight"), "mlp.down_proj.weight", (hidden, inter))
+    return quantize_fp8(out, config, reader.stored)
+
+
+# The 2-D linear weights of attention and MLP (experts included); not embeddings, norms, router, lm_head.
+FP8_LINEAR = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight"
+)
+
+
+def fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
+    """The block of an fp8 ``quantization_config`` (None without one); anything else is refused."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+        raise IncompatibleError(
+            f"unsupported quantization_config {quant!r}: dcr produces only fp8 (e4m3) block quantization"
+        )
+    block = quant.get("weight_block_size", list(DEFAULT_BLOCK))
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise IncompatibleError(f"quantization_config weight_block_size must be two positive integers, not {block!r}")
+    return block[0], block[1]
+
+
+def quantize_fp8(
+    out: dict[str, CanonicalTensor], config: dict[str, Any], stored: dict[str, StoredTensor]
+) -> dict[str, CanonicalTensor]:
+    """Replace each quantized linear weight by its F8_E4M3 weight and F32 weight_scale_inv (both residual)."""
+    block = fp8_block(config)
+    if block is None:
+        return out
+    skip = config["quantization_config"].get("modules_to_not_convert") or []
+    tag = f"{block[0]}x{block[1]}"
+    for name in [n for n in out if FP8_LINEAR.fullmatch(n)]:
+        if any(m in name.removesuffix(".weight") for m in skip):  # substring match, as transformers does
+            continue
+        t = out[name]
+        src = stored[t.segments[0].key].dtype
+        check_dtype_support(src)
+        quantize = fp8_convert(src, block, "weight")
+        out[name] = CanonicalTensor(
+            name, "F8_E4M3", t.shape, t.segments, f"fp8 block quantization ({tag})", quantize, src
+        )
+        scale_name = name + "_scale_inv"
+        out[scale_name] = CanonicalTensor(
+            scale_name,
+            "F32",
+            scale_shape(t.shape, block),
+            [dataclasses.replace(seg, name=scale_name) for seg in t.segments],
+            f"fp8 block scale ({tag})",
+            fp8_convert(src, block, "scale"),
+            src,
+            source_shape=t.shape,
+        )
     return out
 
 

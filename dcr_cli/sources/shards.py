@@ -11,10 +11,13 @@ layers, QKV rows interleaved per group, [gate; up], vocab padding, per-expert
 slices) is a list of segments, so a changed element in a chunk maps to its
 canonical index without assembling anything.
 
-Conversions that change values (dtype cast, zero-centred norm +1) and
-duplicates (tied tensors) cannot be expressed as segments: such a canonical
-tensor is *residual*. It is assembled from its segments, converted, and diffed
-whole (format_spec/producers.md).
+Conversions that change values (dtype cast, zero-centred norm +1, fp8 block
+quantization) and duplicates (tied tensors) cannot be expressed as segments:
+such a canonical tensor is *residual*. It is assembled from its segments,
+converted, and diffed whole (format_spec/producers.md). A residual tensor's
+segments may tile a *source* of another shape (an fp8 scale is computed from
+the whole weight): the source is assembled, and the conversion gives the
+canonical shape.
 """
 
 from __future__ import annotations
@@ -78,6 +81,12 @@ class CanonicalTensor:
     residual: str | None = None
     convert: Callable[[np.ndarray], np.ndarray] | None = None
     source_dtype: str | None = None  # dtype of the stored values a residual conversion reads
+    source_shape: tuple[int, ...] | None = None  # shape the segments tile, when not the canonical shape
+
+    @property
+    def assembled_shape(self) -> tuple[int, ...]:
+        """The shape ``assemble`` returns: the segments' source, before any residual conversion."""
+        return self.shape if self.source_shape is None else self.source_shape
 
 
 class ShardReader:
@@ -185,10 +194,10 @@ class ShardCheckpoint:
         """Every canonical element must come from exactly one segment, and every segment from stored chunks."""
         for t in self.canonical.values():
             covered = sum(numel(s.sizes) for s in t.segments)
-            if covered != numel(t.shape):
+            if covered != numel(t.assembled_shape):
                 raise FormatError(
-                    f"{self.root}: canonical {t.name} {list(t.shape)} is covered by {covered} stored elements,"
-                    f" expected {numel(t.shape)}; the profile does not match this checkpoint"
+                    f"{self.root}: canonical {t.name} {list(t.assembled_shape)} is covered by {covered} stored"
+                    f" elements, expected {numel(t.assembled_shape)}; the profile does not match this checkpoint"
                 )
         for key, segs in self.segments_by_key.items():
             st = self.reader.stored[key]
@@ -245,11 +254,12 @@ class ShardCheckpoint:
     # ----- assembly (bounded): canonical row bands, for digests and the residual path
     def band_rows(self, name: str, max_bytes: int) -> list[tuple[int, int]]:
         t = self.canonical[name]
-        if not t.shape:
+        shape = t.assembled_shape
+        if not shape:
             return [(0, 1)]
-        row_bytes = max(1, numel(t.shape[1:]) * lookup_dtype(t.source_dtype or t.dtype).itemsize)
+        row_bytes = max(1, numel(shape[1:]) * lookup_dtype(t.source_dtype or t.dtype).itemsize)
         step = max(1, max_bytes // row_bytes)
-        return [(r, min(r + step, t.shape[0])) for r in range(0, t.shape[0], step)] or [(0, 0)]
+        return [(r, min(r + step, shape[0])) for r in range(0, shape[0], step)] or [(0, 0)]
 
     def row_runs(self, name: str) -> list[tuple[str, Chunk, tuple[slice, ...]]] | None:
         """The tensor as contiguous runs of chunk rows, in canonical C order, when it has that shape.
@@ -289,10 +299,10 @@ class ShardCheckpoint:
     def assemble(
         self, name: str | CanonicalTensor, rows: tuple[int, int] | None = None, cache: ChunkCache | None = None
     ) -> np.ndarray:
-        """Canonical rows [r0, r1) (all rows if None) in the stored values' unsigned dtype, before conversion."""
+        """Rows [r0, r1) (all rows if None) of ``assembled_shape``, as the stored values' unsigned ints, unconverted."""
         t = self.canonical[name] if isinstance(name, str) else name
         name = t.name
-        shape = t.shape
+        shape = t.assembled_shape
         if rows is None:
             rows = (0, shape[0]) if shape else (0, 1)
         st_dtype = lookup_dtype(t.source_dtype or t.dtype)
