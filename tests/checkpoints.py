@@ -9,25 +9,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from dcr_cli.format.dtypes import TORCH_NAMES
 from dcr_cli.format.dtypes import dtype as lookup_dtype
 
-TORCH_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "F32": torch.float32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F64": torch.float64,
-}
+TORCH_DTYPES = {name: getattr(torch, t) for name, t in TORCH_NAMES.items()}
 
 
 def tensor_from_bits(bits: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -48,6 +48,25 @@ _DTYPES = {
 
 SUPPORTED = tuple(_DTYPES)
 
+# torch's spelling of each dtype (torch is imported only by the callers that need it).
+TORCH_NAMES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U16": "uint16",
+    "I16": "int16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "I32": "int32",
+    "F32": "float32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F64": "float64",
+}
+
 
 def dtype(name: str) -> DType:
     try:

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import IncompatibleError
+from ...format.dtypes import TORCH_NAMES
 
 aten = torch.ops.aten
 
@@ -34,23 +35,7 @@ aten = torch.ops.aten
 # padding already holds what the initial load wrote) and never cover canonical elements.
 _PADDING_FILLS = (aten.fill_.Scalar, aten.zero_.default)
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "F32": torch.float32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F64": torch.float64,
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, t) for name, t in TORCH_NAMES.items()}
 
 # Casts a loader may make that dcr can undo exactly: every value of the source dtype is a value of
 # the destination dtype (NaN payloads aside: a NaN that does not round-trip fails the digest checks,
