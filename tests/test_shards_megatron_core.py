@@ -25,16 +25,10 @@ from dcr_cli.report import inspect
 
 require_or_skip("megatron.core.dist_checkpointing")
 
-COMMON = dict(
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=24,
-    vocab_size=50,  # megatron pads to 64
-    torch_dtype="bfloat16",  # megatron keeps RMSNorm weights in F32: a residual dtype cast
-)
+from test_shards_megatron import COMMON
+
+# The same tiny model as the hand-written layout's; megatron pads the vocab 50 -> 64 and keeps
+# RMSNorm weights in F32 (a residual dtype cast).
 DENSE = {**COMMON, "tie_word_embeddings": True, "megatron": {"padded_vocab_size": 64}}
 MOE = {**COMMON, "tie_word_embeddings": False, "num_experts": 4, "moe_intermediate_size": 8,
        "megatron": {"padded_vocab_size": 64}}  # fmt: skip
