@@ -7,7 +7,6 @@ The logic lives in two functions (``apply_vllm``, ``verify_vllm``) that the ``ap
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
@@ -21,19 +20,15 @@ VLLM_OPTION_HELP = (
 
 
 def chain_order(deltas: list[str]) -> list[str]:
-    """Local directories of deltas expand to their children; the deltas are ordered base -> target."""
-    from ..delta.reader import Delta
-    from ..errors import IncompatibleError
-    from ..format.manifest import MANIFEST_NAME
+    """Delta locations in apply order (base -> target); a local directory of deltas expands to its children.
 
-    locations: list[str] = []
-    for d in deltas:
-        path = Path(d)
-        if "://" not in d and path.is_dir() and not (path / MANIFEST_NAME).exists():
-            locations.extend(str(p) for p in sorted(path.iterdir()) if (p / MANIFEST_NAME).is_file())
-        else:
-            locations.append(d)
-    opened = {loc: Delta.open(loc).manifest for loc in locations}
+    Unlike an on-disk receiver, the client does not know the engine's version: the chain must start
+    at the one delta whose base no other delta produces (the engine checks that base itself).
+    """
+    from ..errors import IncompatibleError
+    from ..receivers.checkpoint import expand_deltas
+
+    opened = {d.url: d.manifest for d in expand_deltas(deltas)}
     targets = {m.target.fingerprint for m in opened.values()}
     starts = [loc for loc, m in opened.items() if m.base.fingerprint not in targets]
     if len(starts) != 1:

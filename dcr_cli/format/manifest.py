@@ -250,6 +250,19 @@ class Manifest:
         """Bytes a receiver fetches for a normal apply: manifest excluded, repair blocks excluded."""
         return sum(b.size for b in self.blocks if b.role == "data")
 
+    def repair_bytes(self) -> int:
+        return sum(b.size for b in self.blocks if b.role == "repair")
+
+    def total_elements(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    def changed_elements(self) -> int:
+        return sum(it.changed_elements for it in self.items)
+
+    def full_bytes(self) -> int:
+        """Stored size of the whole target model: what a dense refit moves."""
+        return sum(t.nbytes for t in self.tensors.values())
+
 
 def fingerprint(tensors: dict[str, TensorEntry]) -> str:
     """Model fingerprint: the digest of the canonical tensor table (format_spec §4.3)."""

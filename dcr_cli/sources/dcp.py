@@ -25,26 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError, IncompatibleError
+from ..format.dtypes import TORCH_NAMES
 from ..format.dtypes import dtype as lookup_dtype
 from .safetensors_dir import safe_child
 from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint, release_pages
 
 METADATA_NAME = ".metadata"
 
-_TORCH_TO_ST = {
-    "torch.bfloat16": "BF16",
-    "torch.float16": "F16",
-    "torch.float32": "F32",
-    "torch.float64": "F64",
-    "torch.int8": "I8",
-    "torch.uint8": "U8",
-    "torch.int16": "I16",
-    "torch.int32": "I32",
-    "torch.int64": "I64",
-    "torch.bool": "BOOL",
-    "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.float8_e5m2": "F8_E5M2",
-}
+# The inverse of format.dtypes.TORCH_NAMES, spelled as str(torch.dtype) prints it.
+_TORCH_TO_ST = {f"torch.{torch_name}": name for name, torch_name in TORCH_NAMES.items()}
 
 
 def st_dtype(torch_dtype: object) -> str:
