@@ -31,16 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
-def _worker(rank: int, world: int, port: int, out: str, elements_m: int, rate: float) -> None:
+def _worker(rank: int, world: int, out: str, elements_m: int, rate: float) -> None:
     import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     hidden = 1024
     vocab = elements_m * 1024 * 1024 // 2 // hidden
@@ -77,8 +74,6 @@ def _worker(rank: int, world: int, port: int, out: str, elements_m: int, rate: f
                 idx = torch.randint(0, flat.numel(), (n,), generator=g)
                 flat[idx] ^= torch.randint(1, 8, (n,), generator=g, dtype=torch.int16)
     save("target")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 # ru_maxrss survives fork+exec (it would report this benchmark's own size), so the child reports
@@ -117,15 +112,14 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
 
-    import torch.multiprocessing as mp
-    from shard_writers import free_port
+    from shard_writers import spawn_ranks
 
     from dcr_cli.differ import diff
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-shards-"))
     if not (work / "target" / "hf").exists():
         t = time.perf_counter()
-        mp.spawn(_worker, args=(args.world, free_port(), str(work), args.elements_m, args.rate), nprocs=args.world)
+        spawn_ranks(_worker, args.world, str(work), args.elements_m, args.rate)
         print(f"wrote checkpoints in {time.perf_counter() - t:.1f}s under {work}")
     model_bytes = sum(f.stat().st_size for f in (work / "target" / "hf").glob("*.safetensors"))
     shard_bytes = max(f.stat().st_size for f in (work / "target" / "dcp").glob("*.distcp"))

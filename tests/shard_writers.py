@@ -14,25 +14,38 @@ ShardedTensor from each tensor-parallel rank's local shards.
 
 from __future__ import annotations
 
-import os
-import socket
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def spawn_ranks(worker: Callable[..., None], world: int, *args: object) -> None:
+    """Runs ``worker(rank, world, *args)`` on ``world`` gloo ranks on the CPU; returns once every rank is done.
+
+    The ranks meet through a FileStore, so there is no TCP port to race for,
+    and a rank leaves only after every rank has torn down its process group:
+    a rank that exits while a peer is still tearing down gloo can abort that
+    peer (seen in CI as "terminate called without an active exception").
+    """
+    leave = mp.get_context("spawn").Barrier(world)
+    with tempfile.TemporaryDirectory(prefix="dcr-gloo-") as tmp:
+        mp.spawn(_rank_main, args=(world, f"{tmp}/store", leave, worker, args), nprocs=world, join=True)
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(
+    rank: int, world: int, store_file: str, leave: Any, worker: Callable[..., None], args: tuple[object, ...]
+) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    worker(rank, world, *args)  # an exception here fails mp.spawn, which stops the other ranks
+    dist.barrier()
+    dist.destroy_process_group()
+    leave.wait(timeout=600)
 
 
 # ---------------------------------------------------------------- FSDP2 / DTensor
@@ -49,8 +62,7 @@ class TinyModel(torch.nn.Module):
         return self.head(self.norm(self.out(torch.relu(self.proj(self.embed(tokens))))))
 
 
-def _fsdp_worker(rank: int, world: int, port: int, out: str, vocab: int, hidden: int, steps: int) -> None:
-    _init(rank, world, port)
+def _fsdp_worker(rank: int, world: int, out: str, vocab: int, hidden: int, steps: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.device_mesh import init_device_mesh
@@ -102,13 +114,11 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, vocab: int, hidden:
         extra["extra.replicated"].to_local()[3] += 1.0  # the same change on every replica
         extra["extra.plain_f32"][1, 2] = float("nan")
     save("target")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def write_fsdp_checkpoints(out: str | Path, world: int = 3, vocab: int = 37, hidden: int = 16, steps: int = 2) -> Path:
     out = Path(out)
-    mp.spawn(_fsdp_worker, args=(world, free_port(), str(out), vocab, hidden, steps), nprocs=world, join=True)
+    spawn_ranks(_fsdp_worker, world, str(out), vocab, hidden, steps)
     return out
 
 
@@ -192,8 +202,7 @@ def megatron_local_boxes(key: str, shape: tuple[int, ...], cfg: dict, rank: int,
     return boxes
 
 
-def _megatron_worker(rank: int, world: int, port: int, out: str, cfg: dict, seeds: dict[str, int]) -> None:
-    _init(rank, world, port)
+def _megatron_worker(rank: int, world: int, out: str, cfg: dict, seeds: dict[str, int]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
@@ -211,8 +220,6 @@ def _megatron_worker(rank: int, world: int, port: int, out: str, cfg: dict, seed
                 shards.append(Shard(local, ShardMetadata(off, size, f"rank:{rank}/cpu")))
             sd[key] = init_from_local_shards(shards, *tensor.shape)
         dcp.save(sd, checkpoint_id=f"{out}/{tag}/torch_dist")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def mutate_megatron(t: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
@@ -237,9 +244,7 @@ def mutate_megatron(t: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Te
 
 def write_megatron_checkpoints(out: str | Path, cfg: dict, world: int = 2) -> Path:
     out = Path(out)
-    mp.spawn(
-        _megatron_worker, args=(world, free_port(), str(out), cfg, {"base": 11, "target": 11}), nprocs=world, join=True
-    )
+    spawn_ranks(_megatron_worker, world, str(out), cfg, {"base": 11, "target": 11})
     return out
 
 
@@ -299,9 +304,8 @@ REAL_MEGATRON_KEYS = {
 }
 
 
-def _real_megatron_worker(rank: int, world: int, port: int, out: str, cfg: dict) -> None:
+def _real_megatron_worker(rank: int, world: int, out: str, cfg: dict) -> None:
     """Builds megatron-core's GPTModel (local layer spec, CPU init) with TP or EP = world; saves torch_dist."""
-    _init(rank, world, port)
     # megatron-core's torch_dist saver synchronizes CUDA and reduces a flag on the current CUDA device;
     # with a CPU-only torch these two calls are the only obstacle, so they are pointed at the CPU.
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
@@ -359,12 +363,11 @@ def _real_megatron_worker(rank: int, world: int, port: int, out: str, cfg: dict)
         Path(f"{out}/{tag}/torch_dist").mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save(model.sharded_state_dict(), f"{out}/{tag}/torch_dist")
         dist.barrier()
-    dist.destroy_process_group()
 
 
 def write_real_megatron_checkpoints(out: str | Path, cfg: dict, world: int = 2) -> Path:
     out = Path(out)
-    mp.spawn(_real_megatron_worker, args=(world, free_port(), str(out), cfg), nprocs=world, join=True)
+    spawn_ranks(_real_megatron_worker, world, str(out), cfg)
     return out
 
 
