@@ -120,3 +120,28 @@ def test_scalar_and_empty_regions():
     item = diff_region("s", Region.box((), ()), base, new)
     assert item is not None and item.count == 1
     assert diff_region("e", Region.range(0, 0), base[:0], new[:0]) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(min_value=0, max_value=70_000),
+    st.sampled_from([0.0, 0.0005, 0.02, 0.5, 1.0]),
+    st.integers(min_value=0, max_value=2**32 - 1),
+)
+def test_change_scan_matches_numpy_across_tiles_tails_and_growth(width: int, n: int, rate: float, seed: int) -> None:
+    # Sizes span many 2048-word tiles, a tail shorter than one word, and dense changes that outgrow the
+    # scan's first allocation (sized for sparse changes).
+    from dcr_cli.format.kernels import scan_changes
+
+    uint = np.dtype(f"<u{width}")
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, np.iinfo(uint).max, size=n, dtype=uint, endpoint=True)
+    new = base.copy()
+    hit = rng.random(n) < rate
+    new[hit] ^= rng.integers(1, np.iinfo(uint).max, size=int(hit.sum()), dtype=uint, endpoint=True)
+    positions, masks, news = scan_changes(base, new)
+    expected = np.flatnonzero(base != new)
+    assert positions.dtype == np.int64 and masks.dtype == uint and news.dtype == uint
+    assert np.array_equal(positions, expected)
+    assert np.array_equal(masks, base[expected] ^ new[expected]) and np.array_equal(news, new[expected])

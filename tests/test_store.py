@@ -235,6 +235,76 @@ def test_gc_keeps_what_live_versions_need(tmp_path: Path) -> None:
     assert {e.version: e.available for e in log(url)} == {"v1": False, "v2": False, "v3": True}
 
 
+def test_gc_racing_a_push_that_reuses_old_blocks_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc lists blocks, a push reusing a dropped version's old blocks publishes, then gc removes what it listed.
+
+    v1: A->B and v3: A->B share their blocks (v1's repair blocks too); v2: B->A drops v1 at gc --keep 1.
+    """
+    import os
+    import time
+
+    from store_fixtures import base_tensors, step, write_checkpoint
+
+    from dcr_cli.differ import diff
+    from dcr_cli.store import repo
+
+    a = base_tensors(3)
+    ca, cb = write_checkpoint(tmp_path / "A", a), write_checkpoint(tmp_path / "B", step(a, 4))
+    ds = []
+    for i, (x, y) in enumerate([(ca, cb), (cb, ca), (ca, cb)], start=1):
+        diff(x, y, tmp_path / f"d{i}", base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
+        ds.append(tmp_path / f"d{i}")
+    url = str(tmp_path / "store")
+    _publish_chain(url, ds[:2])
+    two_hours_ago = time.time() - 7200
+    for block in (tmp_path / "store" / "blocks").iterdir():
+        os.utime(block, (two_hours_ago, two_hours_ago))
+    reused_only_by_v1 = {b.id for b in Delta.open(ds[0]).manifest.blocks} - {
+        b.id for b in Delta.open(ds[1]).manifest.blocks
+    }
+    assert reused_only_by_v1  # v1's repair blocks: unreferenced once v1 is dropped, and needed by v3
+
+    listing = repo.Store.list
+    pushed: list[str] = []
+    racing = threading.Event()
+
+    def list_then_push(self: repo.Store, rel_dir: str) -> list[repo.Listing]:
+        entries = listing(self, rel_dir)
+        if rel_dir == repo.BLOCKS and not racing.is_set():  # gc has its (soon stale) listing: v3 is pushed now
+            racing.set()
+            pushed.append(push(ds[2], url).version)
+        return entries
+
+    monkeypatch.setattr(repo.Store, "list", list_then_push)
+    result = gc(url, keep=1)
+    monkeypatch.undo()
+    assert pushed == ["v3"] and result.removed_blocks == 0
+    assert pull(url, tmp_path / "p3", version="v3", repair=True).blocks == len(
+        {b.id for b in Delta.open(ds[2]).manifest.blocks}
+    )
+    assert check(url, read_data=True).ok
+
+
+def test_push_writes_again_only_old_blocks_it_reuses(tmp_path: Path, deltas: tuple[list[Path], list[Path]]) -> None:
+    import os
+    import time
+
+    _, (d1, *_) = deltas
+    url = str(tmp_path / "store")
+    blocks = sorted({b.id for b in Delta.open(d1).manifest.blocks})
+    (tmp_path / "store" / "blocks").mkdir(parents=True)
+    old, young = time.time() - 7200, time.time() - 60
+    for i, block_id in enumerate(blocks):
+        (tmp_path / "store" / "blocks" / block_id).write_bytes((d1 / "blocks" / block_id).read_bytes())
+        stamp = old if i % 2 == 0 else young
+        os.utime(tmp_path / "store" / "blocks" / block_id, (stamp, stamp))
+    result = push(d1, url)
+    assert result.uploaded_blocks == 0 and result.refreshed_blocks == len(blocks[::2])
+    for i, block_id in enumerate(blocks):
+        age = time.time() - (tmp_path / "store" / "blocks" / block_id).stat().st_mtime
+        assert (age < 600) if i % 2 == 0 else (age > 30)
+
+
 def test_corrupted_block_is_detected_at_pull(
     s3_endpoint: S3Endpoint, s3_url: str, deltas: tuple[list[Path], list[Path]], tmp_path: Path
 ) -> None:

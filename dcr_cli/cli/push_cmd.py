@@ -64,7 +64,12 @@ def command(
         restored = f"; restored {result.uploaded_blocks} lost blocks" if result.uploaded_blocks else ""
         click.echo(f"{url}: version {result.version} was already published with this delta{restored}")
     else:
+        refreshed = (
+            f", {result.refreshed_blocks} of them written again so that gc keeps them"
+            if result.refreshed_blocks
+            else ""
+        )
         click.echo(
             f"{url}: published {result.version} (base {result.base}): uploaded {result.uploaded_blocks} blocks "
-            f"({human_bytes(result.uploaded_bytes)}), {result.present_blocks} already there"
+            f"({human_bytes(result.uploaded_bytes)}), {result.present_blocks} already there{refreshed}"
         )

@@ -76,8 +76,14 @@ def gc(
     live_manifests = {f"{r.manifest}.json" for r in live}
     now = time.time()
 
-    def old(entry: Listing) -> bool:
-        return grace_s <= 0 or (entry.mtime is not None and now - entry.mtime >= grace_s)
+    def old(entry: Listing, rel_dir: str) -> bool:
+        if grace_s <= 0:
+            return True
+        if entry.mtime is None or now - entry.mtime < grace_s:
+            return False
+        # The listing may be stale by now: a push reusing this object writes it again (store-v1.md §4.4).
+        modified = store.modified(f"{rel_dir}/{entry.name}")
+        return modified is not None and time.time() - modified >= grace_s
 
     published_manifests = {f"{r.manifest}.json" for r in dropped}
     removed_manifests = removed_blocks = removed_bytes = kept_blocks = kept_bytes = young = 0
@@ -85,7 +91,7 @@ def gc(
         if entry.name in live_manifests:
             continue
         # A dropped version's manifest goes at once; one no version names may be a push in progress.
-        if entry.name in published_manifests or old(entry):
+        if entry.name in published_manifests or old(entry, MANIFESTS):
             removed_manifests += 1
             if not dry_run:
                 store.delete(f"{MANIFESTS}/{entry.name}")
@@ -95,7 +101,7 @@ def gc(
         if entry.name in needed:
             kept_blocks += 1
             kept_bytes += entry.size
-        elif old(entry):  # includes local .tmp-* leftovers of killed uploads
+        elif old(entry, BLOCKS):  # includes local .tmp-* leftovers of killed uploads
             removed_blocks += 1
             removed_bytes += entry.size
             if not dry_run:

@@ -349,6 +349,18 @@ class Store:
 
         return self.call(run, f"list {rel_dir}/")
 
+    def modified(self, rel: str) -> float | None:
+        """When the object was last written (seconds since the epoch), asked afresh; None if absent or unknown."""
+
+        def run() -> float | None:
+            self.fs.invalidate_cache(self.path(rel))
+            try:
+                return _mtime(self.fs.info(self.path(rel)))
+            except FileNotFoundError:
+                return None
+
+        return self.call(run, f"check {rel}")
+
     def delete(self, rel: str) -> None:
         def run() -> None:
             with contextlib.suppress(FileNotFoundError):

@@ -29,10 +29,13 @@ from ..delta.writer import fsync_dir, write_atomic
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
 from ..format.digest import digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
-from .repo import BLOCKS, CHILDREN, MANIFESTS, VERSIONS, Ref, Store, VersionRecord, check_label, dumps, utc_now
+from .repo import BLOCKS, CHILDREN, MANIFESTS, VERSIONS, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
 
 Progress = Callable[[int], None]  # called with bytes transferred
 DEFAULT_WORKERS = 8
+# A present block older than this is written again by push (format_spec/store-v1.md §4.1 step 4). It
+# must stay well below dcr gc's grace period (1 h by default) minus the longest push.
+REFRESH_S = 15 * 60.0
 PULL_STATE = ".dcr-pull.json"
 
 
@@ -83,6 +86,7 @@ class PushResult:
     uploaded_bytes: int
     present_blocks: int
     present_bytes: int
+    refreshed_blocks: int  # present but old: written again so that a concurrent gc keeps them
     already_published: bool
 
     def to_json(self) -> dict[str, Any]:
@@ -155,12 +159,18 @@ def push(
             f"({base.version}); re-run dcr diff against {base.version} (dcr status {url} --json shows it)"
         )
 
-    present = {e.name: e.size for e in store.list(BLOCKS)}
+    listing = {e.name: e for e in store.list(BLOCKS)}
+    present = {name: e.size for name, e in listing.items()}
     missing = [b for b in unique if present.get(b.id) != b.size]
     if verify_remote:
         missing += _corrupt_on_store(store, [b for b in unique if present.get(b.id) == b.size], workers)
     missing_ids = {b.id for b in missing}
     kept = [b for b in unique if b.id not in missing_ids]
+    # A block the store holds already may belong to a version a concurrent dcr gc is dropping. Writing
+    # it again makes it young, and gc removes a block only while it is older than its grace period
+    # (checked afresh just before removing it): so no block this version needs can vanish after step 6.
+    now = time.time()
+    refreshed = [] if existing is not None else [b for b in kept if _written_before(listing[b.id], now - REFRESH_S)]
     limiter = RateLimit(limit_rate) if limit_rate else None
 
     def upload(block: BlockEntry) -> Callable[[], None]:
@@ -177,6 +187,7 @@ def push(
     if progress is not None:
         progress(sum(b.size for b in kept))
     parallel((upload(b) for b in missing), workers)
+    parallel((upload(b) for b in refreshed), workers)  # progress was counted with the present blocks
 
     raw = source.fs.cat_file(f"{source.root}/{MANIFEST_NAME}")
     if digest_bytes(raw) != source.id:
@@ -213,8 +224,13 @@ def push(
         uploaded_bytes=sum(b.size for b in missing),
         present_blocks=len(kept),
         present_bytes=sum(b.size for b in kept),
+        refreshed_blocks=len(refreshed),
         already_published=existing is not None,
     )
+
+
+def _written_before(entry: Listing, moment: float) -> bool:
+    return entry.mtime is not None and entry.mtime < moment  # gc never removes what has no time
 
 
 def _corrupt_on_store(store: Store, blocks: list[BlockEntry], workers: int) -> list[BlockEntry]:
