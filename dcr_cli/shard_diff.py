@@ -102,8 +102,8 @@ def diff_shard_checkpoints(
     def op_of(name: str) -> Op:
         return "overwrite" if any(fnmatch.fnmatchcase(name, p) for p in overwrite) else "xor"
 
-    base_digests: dict[str, str] = {}
-    new_digests: dict[str, str] = {}
+    # In a stream the base was the previous diff's target: its digest table is usually cached.
+    base_digests, new_digests = b.cached_digests(), n.cached_digests()
 
     def chunk_task(key: str, chunk_key: tuple[int, ...]) -> Callable[[], list[EncodedItem]]:
         def run() -> list[EncodedItem]:
@@ -143,27 +143,11 @@ def diff_shard_checkpoints(
 
     def tensor_task(name: str) -> Callable[[], list[EncodedItem]]:
         def run() -> list[EncodedItem]:
-            t = n.canonical[name]
-            if t.residual is not None:
+            if n.canonical[name].residual is not None:
                 return residual_items(name)
-            bd, nd = StreamingDigest(), StreamingDigest()
-            runs = n.row_runs(name)
-            if runs is not None:  # row-sharded: stream zero-copy chunk views, nothing assembled
-                for key, chunk, slices in runs:
-                    bchunk = base_chunks[(key, chunk.offsets)]
-                    bd.update(np.ascontiguousarray(b.reader.read_chunk(key, bchunk)[slices]))
-                    nd.update(np.ascontiguousarray(n.reader.read_chunk(key, chunk)[slices]))
-                    b.reader.release(key, bchunk)
-                    n.reader.release(key, chunk)
-                base_digests[name], new_digests[name] = bd.hexdigest(), nd.hexdigest()
-                return []
-            bcache, ncache = ChunkCache(b.reader), ChunkCache(n.reader)
-            for rows in n.band_rows(name, BAND_BYTES):
-                bd.update(b.assemble(name, rows, bcache))
-                nd.update(n.assemble(name, rows, ncache))
-            bcache.clear()
-            ncache.clear()
-            base_digests[name], new_digests[name] = bd.hexdigest(), nd.hexdigest()
+            for ckpt, digests in ((b, base_digests), (n, new_digests)):
+                if name not in digests:
+                    digests[name] = canonical_digest(ckpt, name)
             return []
 
         return run
@@ -235,13 +219,16 @@ def diff_shard_checkpoints(
                 rank=rank,
                 world_size=world_size or 1,
                 layout=n.layout(),
-                base_digests=base_digests,
-                target_digests=new_digests,
+                # Each tensor is digested by exactly one part (the cache may know them all).
+                base_digests={name: base_digests[name] for name in my_tensors},
+                target_digests={name: new_digests[name] for name in my_tensors},
                 residual=reasons,
                 base_version=base_version,
                 target_version=target_version,
             )
             return None
+        b.remember_digests(base_digests)
+        n.remember_digests(new_digests)
         base_table, target_table = b.table(base_digests), n.table(new_digests)
         base_fp, target_fp = fingerprint(base_table), fingerprint(target_table)
         manifest = writer.finish(
@@ -254,6 +241,22 @@ def diff_shard_checkpoints(
         writer.abort()
         raise
     return summarize(Path(out), manifest)
+
+
+def canonical_digest(ckpt: ShardCheckpoint, name: str) -> str:
+    """BLAKE3 of canonical tensor ``name``'s stored bytes in C order, read band by band from the chunks."""
+    digest = StreamingDigest()
+    runs = ckpt.row_runs(name)
+    if runs is not None:  # row-sharded: stream zero-copy chunk views, nothing assembled
+        for key, chunk, slices in runs:
+            digest.update(np.ascontiguousarray(ckpt.reader.read_chunk(key, chunk)[slices]))
+            ckpt.reader.release(key, chunk)
+        return digest.hexdigest()
+    cache = ChunkCache(ckpt.reader)
+    for rows in ckpt.band_rows(name, BAND_BYTES):
+        digest.update(ckpt.assemble(name, rows, cache))
+    cache.clear()
+    return digest.hexdigest()
 
 
 def _digest(arr: np.ndarray) -> str:

@@ -154,3 +154,41 @@ def test_include_and_strip_prefix_select_and_name_the_weights(fsdp: Path, tmp_pa
     assert tensors["col_sharded"] == whole["extra.col_sharded"] and tensors["proj.weight"] == whole["proj.weight"]
     r = run_cli("diff", base, new, "-o", str(tmp_path / "none"), "--include", "optim.*")
     assert r.returncode == 2 and "no stored tensor matches" in r.stderr
+
+
+@pytest.mark.parametrize("sub", ["dcp", "hf/sharded"])
+def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates(
+    fsdp: Path, tmp_path: Path, sub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from dcr_cli import shard_diff
+    from dcr_cli.sources import open_source
+
+    monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
+    base, target = tmp_path / "base", tmp_path / "target"
+    shutil.copytree(fsdp / "base" / sub, base)
+    shutil.copytree(fsdp / "target" / sub, target)
+    hashed: list[str] = []
+    digest = shard_diff.canonical_digest
+
+    def counting(ckpt, name):  # type: ignore[no-untyped-def]
+        hashed.append(f"{Path(ckpt.root).name}:{name}")
+        return digest(ckpt, name)
+
+    monkeypatch.setattr(shard_diff, "canonical_digest", counting)
+    diff(base, target, tmp_path / "d1", workers=1)
+    tensors = len(open_source(target).canonical)
+    assert len(hashed) == 2 * tensors  # nothing cached yet: both sides hashed
+    hashed.clear()
+    diff(base, target, tmp_path / "d2", workers=1)
+    assert hashed == []  # both tables come from the cache
+    assert Delta.open(tmp_path / "d2").manifest.tensors == Delta.open(tmp_path / "d1").manifest.tensors
+
+    # Rewrite one target shard with the same bytes: its identity changes, so the target is hashed again.
+    shard = sorted(p for p in target.iterdir() if p.suffix in (".distcp", ".safetensors"))[0]
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(data)
+    diff(base, target, tmp_path / "d3", workers=1)
+    assert sorted(hashed) == sorted(f"target:{name}" for name in open_source(target).canonical)

@@ -2,7 +2,9 @@
 
 In a refit stream, step N is the target of one diff and the base of the next. The cache remembers
 the digests computed for a file, keyed by the file's identity and change times (path, size, inode,
-mtime and ctime in ns: ctime cannot be set by user space, and any write moves it). The key is
+mtime and ctime in ns: ctime cannot be set by user space, and any write moves it). A training
+checkpoint's canonical digests are keyed by all of its files and by the profile that maps them to
+canonical tensors (``files_key``). The key is
 taken when the checkpoint is opened, before hashing, so a file written during the hash is not
 cached. A stale or corrupt entry can only make a delta name wrong tensor digests or fingerprints
 (receivers refuse a wrong base; dcr verify reports a wrong target); items carry their own pre/post
@@ -40,16 +42,7 @@ def _key(file: Path) -> str:
 
 
 def load(file: Path) -> dict[str, str]:
-    root = cache_dir()
-    if root is None:
-        return {}
-    try:
-        data = json.loads((root / _key(file)).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or not all(isinstance(k, str) and is_digest(v) for k, v in data.items()):
-        return {}
-    return data
+    return load_entry(_key(file))
 
 
 def save(file: Path, digests: dict[str, str], hashed_key: str) -> None:
@@ -58,14 +51,38 @@ def save(file: Path, digests: dict[str, str], hashed_key: str) -> None:
     A file written while it was being hashed has a new key by now: its digests
     describe neither version, so they are not kept under either key.
     """
+    try:
+        if _key(file) == hashed_key:
+            save_entry(hashed_key, digests)
+    except OSError:
+        pass
+
+
+def files_key(files: list[Path], description: str) -> str:
+    """The key of a checkpoint made of several files, read through ``description`` (e.g. a profile)."""
+    return digest_bytes("|".join([description, *sorted(_key(f) for f in files)]).encode())
+
+
+def load_entry(entry_key: str) -> dict[str, str]:
+    root = cache_dir()
+    if root is None:
+        return {}
+    try:
+        data = json.loads((root / entry_key).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) and is_digest(v) for k, v in data.items()):
+        return {}
+    return data
+
+
+def save_entry(entry_key: str, digests: dict[str, str]) -> None:
     root = cache_dir()
     if root is None or not digests:
         return
     try:
-        if _key(file) != hashed_key:
-            return
         root.mkdir(parents=True, exist_ok=True)
-        path = root / hashed_key
+        path = root / entry_key
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_text(json.dumps(digests))
         os.replace(tmp, path)

@@ -23,9 +23,11 @@ canonical shape.
 from __future__ import annotations
 
 import itertools
+import json
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from ..format.manifest import TensorEntry
+from . import digest_cache
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -185,10 +188,45 @@ class ShardCheckpoint:
                     raise IncompatibleError(f"{reader.root}: profile needs stored tensor {seg.key!r}, which is missing")
                 self.segments_by_key.setdefault(seg.key, []).append(seg)
         self._check_cover()
+        self._cache_key = self._digest_cache_key()  # taken before any hashing (see digest_cache)
 
     @property
     def root(self) -> str:
         return self.reader.root
+
+    def _digest_cache_key(self) -> str | None:
+        """Every file of the checkpoint directory, and how stored tensors map to canonical ones."""
+        description = json.dumps(
+            [
+                self.kind,
+                [
+                    [t.name, t.dtype, t.shape, t.residual, t.source_dtype, t.source_shape]
+                    + [[s.key, s.offsets, s.sizes, s.canonical_offsets] for s in t.segments]
+                    for t in self.canonical.values()
+                ],
+                self.duplicates,
+            ]
+        )
+        try:
+            files = [f for f in Path(self.root).iterdir() if f.is_file()]
+            return digest_cache.files_key(files, description)
+        except OSError:
+            return None
+
+    def _cache_still_valid(self) -> bool:
+        return self._cache_key is not None and self._digest_cache_key() == self._cache_key
+
+    def cached_digests(self) -> dict[str, str]:
+        """The canonical tensors' digests if this very checkpoint was hashed before, else {}."""
+        if self._cache_key is None:
+            return {}
+        cached = digest_cache.load_entry(self._cache_key)
+        return cached if set(cached) == set(self.canonical) and self._cache_still_valid() else {}
+
+    def remember_digests(self, digests: dict[str, str]) -> None:
+        """Store a complete digest table, unless a file changed since the checkpoint was opened."""
+        if self._cache_key is not None and set(digests) == set(self.canonical) and self._cache_still_valid():
+            digest_cache.save_entry(self._cache_key, digests)
 
     def _check_cover(self) -> None:
         """Every canonical element must come from exactly one segment, and every segment from stored chunks."""
