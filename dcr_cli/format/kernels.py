@@ -2,9 +2,9 @@
 
 Finding the changed elements is the hot loop of ``dcr diff``. In numpy it takes an XOR pass, a
 nonzero pass (branchy, ~2x slower than the XOR itself) and gathers. This kernel compares 64-bit
-words first, which skips the ~90% of words that did not change at memory speed, and then expands
-the changed words into elements while they are still in registers, writing results branch-free.
-It reads each input once and runs at about the speed of a plain numpy XOR-and-count pass
+words first, 64 at a time into a bit mask, which skips the ~90% of words that did not change at
+vector speed, and then expands the changed words into elements from registers, writing results
+branch-free. It reads each input once and runs faster than a plain numpy XOR-and-count pass
 (benchmarks/bench_diff.py).
 """
 
@@ -14,37 +14,43 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
 
-# Words compared before their changed ones are expanded: 2 x 16 KiB of input stays in L1/L2.
-TILE_WORDS = 2048
+# Words compared per group: their changed-or-not bits make one 64-bit mask.
+GROUP_WORDS = 64
 
 
 def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
     """The scan kernel for elements of 64 / ``lanes`` bits, with the lane count fixed at compile time.
 
-    Changed words are expanded from the words themselves (lane j holds bits 64/lanes*j and up: the
-    little-endian element order), so each input word is loaded once.
+    A group of 64 word comparisons becomes one bit mask (a loop LLVM vectorizes); only the set bits
+    are visited (count trailing zeros), and each changed word is expanded from the word itself (lane
+    j holds bits 64/lanes*j and up: the little-endian element order), so each input word is loaded
+    once and unchanged words cost a vector compare.
     """
     bits = 64 // lanes
     lane_mask = np.uint64((1 << bits) - 1)
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def scan_words(base_words, new_words, word, k, positions, masks, news):
-        # Scans from word ``word`` on, appending at ``k``; stops early when a tile might not fit.
+        # Scans from word ``word`` on, appending at ``k``; stops early when a group might not fit.
         # Returns (k, next word); the caller grows the outputs and resumes while next word < len(words).
         n_words = base_words.shape[0]
         capacity = positions.shape[0]
-        changed = np.empty(TILE_WORDS, dtype=np.int64)
         while word < n_words:
-            stop = min(word + TILE_WORDS, n_words)
-            if k + (stop - word) * lanes > capacity:
+            size = min(GROUP_WORDS, n_words - word)
+            if k + size * lanes > capacity:
                 return k, word
-            m = 0
-            for w in range(word, stop):
-                changed[m] = w
-                m += base_words[w] != new_words[w]
-            for t in range(m):
-                w = changed[t]
+            changed = np.uint64(0)
+            if size == GROUP_WORDS:
+                for j in range(GROUP_WORDS):
+                    changed |= np.uint64(base_words[word + j] != new_words[word + j]) << np.uint64(j)
+            else:
+                for j in range(size):
+                    changed |= np.uint64(base_words[word + j] != new_words[word + j]) << np.uint64(j)
+            while changed != 0:
+                w = word + trailing_zeros(changed)
+                changed &= changed - np.uint64(1)
                 xor_word = base_words[w] ^ new_words[w]
                 new_word = new_words[w]
                 for j in range(lanes):
@@ -54,7 +60,7 @@ def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
                     masks[k] = x
                     news[k] = (new_word >> shift) & lane_mask
                     k += x != 0
-            word = stop
+            word += size
         return k, word
 
     return scan_words
@@ -71,7 +77,7 @@ def scan_changes(base: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndar
     scan_words = _SCAN_WORDS[lanes]
     base_words, new_words = base[:full].view(np.uint64), new[:full].view(np.uint64)
     # Sized for a sparse change; a dense one grows it a few times (amortized, like a list).
-    capacity = min(n, max(TILE_WORDS * lanes, n // 16))
+    capacity = min(n, max(GROUP_WORDS * lanes, n // 16))
     positions = np.empty(capacity, dtype=np.int64)
     masks = np.empty(capacity, dtype=base.dtype)
     news = np.empty(capacity, dtype=base.dtype)
