@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import blake3
 import numpy as np
 
 DIGEST_HEX_LEN = 64
+_DIGEST = re.compile(f"[0-9a-f]{{{DIGEST_HEX_LEN}}}")
 
 # Inputs above this size are hashed with BLAKE3's own thread pool.
 _PARALLEL_THRESHOLD = 8 << 20
@@ -36,4 +39,4 @@ class StreamingDigest:
 
 
 def is_digest(value: object) -> bool:
-    return isinstance(value, str) and len(value) == DIGEST_HEX_LEN and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None

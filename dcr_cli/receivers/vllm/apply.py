@@ -30,7 +30,7 @@ import torch
 
 from ...delta.reader import Delta
 from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
-from ...format.codec import apply_values
+from ...format.codec import DecodedItem, apply_values
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
 from .placement import (
@@ -62,7 +62,9 @@ class EngineState:
     table: dict[str, dict] = field(default_factory=dict)  # target tensor table of the last apply
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "table"}
+        # Not asdict(): that would deep-copy the whole tensor table only to drop it.
+        applying = dict(self.applying) if self.applying is not None else None
+        return {"version": self.version, "fingerprint": self.fingerprint, "applying": applying}
 
 
 @dataclass
@@ -79,6 +81,23 @@ class ApplyReport:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+# Memory the check pass may spend on keeping decoded and located items for the write pass.
+PREPARED_BYTES = 256 << 20
+
+
+@dataclass
+class Prepared:
+    decoded: DecodedItem
+    located: list[Located]
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        held = [self.decoded.values] + ([self.decoded.positions] if self.decoded.positions is not None else [])
+        held += [a for at in self.located for a in (at.hit, at.index)]
+        return sum(a.nbytes for a in held)
 
 
 @dataclass
@@ -125,6 +144,9 @@ class EngineReceiver:
         self.state = EngineState()
         self._placements: dict[str, Placement] = {}
         self._resident: dict[str, torch.Tensor] | None = None
+        # Items decoded and located by the check pass, for the write pass (bounded by PREPARED_BYTES).
+        self._prepared: dict[int, Prepared] = {}
+        self._prepared_bytes = 0
 
     def resident(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers by name; collected once per operation (walking modules is slow)."""
@@ -308,17 +330,21 @@ class EngineReceiver:
         if mode == "noop":
             assert self.state.fingerprint is not None
             return ApplyReport("noop", m.target.version, self.state.fingerprint)
-        if mode == "apply":
-            self.agree(lambda: self._check_all_pending(delta))
-        self.state.applying = {"delta_id": delta.id, "target": m.target.version}
-        report = ApplyReport("resumed" if mode == "resume" else "applied", m.target.version, m.target.fingerprint)
-        for name, items in delta.items_by_tensor():
-            placement = self.placement(name, m.tensors[name])
-            for item in items:
-                kind, written = self.apply_item(delta, item, placement)
-                setattr(report, kind, getattr(report, kind) + 1)
-                report.items += 1
-                report.written_elements += written
+        try:
+            if mode == "apply":
+                self.agree(lambda: self._check_all_pending(delta))
+            self.state.applying = {"delta_id": delta.id, "target": m.target.version}
+            report = ApplyReport("resumed" if mode == "resume" else "applied", m.target.version, m.target.fingerprint)
+            for name, items in delta.items_by_tensor():
+                placement = self.placement(name, m.tensors[name])
+                for item in items:
+                    kind, written = self.apply_item(delta, item, placement)
+                    setattr(report, kind, getattr(report, kind) + 1)
+                    report.items += 1
+                    report.written_elements += written
+        finally:
+            self._prepared.clear()
+            self._prepared_bytes = 0
         self._reached(m.target.version, m.target.fingerprint, m.tensors)
         report.seconds = time.perf_counter() - started
         return report
@@ -332,20 +358,34 @@ class EngineReceiver:
         for name, items in delta.items_by_tensor():
             placement = self.placement(name, delta.manifest.tensors[name])
             for item in items:
-                if self._current(delta, item, placement)[0] != item.pre:
+                if self._current(delta, item, placement, keep=True)[0] != item.pre:
                     raise IncompatibleError(
                         f"{name}: the engine's weights are not the delta's base there although dcr recorded "
                         f"version {self.state.version}; they were changed outside dcr. Nothing was written: "
                         "reload the engine from a checkpoint of a known version"
                     )
 
-    def _current(self, delta: Delta, item: Item, placement: Placement):  # type: ignore[no-untyped-def]
-        """(digest of the item's elements as held, or None if replicas disagree; values; decoded; located)."""
+    def _prepare(self, delta: Delta, item: Item, placement: Placement) -> Prepared:
+        """The item decoded and located on this rank; taken from the check pass when it kept it."""
+        kept = self._prepared.pop(id(item), None)
+        if kept is not None:
+            return kept
         decoded = delta.decode(item)
         positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
         located = self.locate(placement, item.region.to_canonical(positions, placement.shape))
-        current, divergent = self.assemble(placement, len(positions), located)
-        return (None if divergent else digest_bytes(current)), current, decoded, located
+        return Prepared(decoded, located, len(positions))
+
+    def _current(self, delta: Delta, item: Item, placement: Placement, keep: bool = False):  # type: ignore[no-untyped-def]
+        """(digest of the item's elements as held, or None if replicas disagree; values; decoded; located).
+
+        The values are always read afresh; ``keep`` saves the decoding and locating for the write pass.
+        """
+        prepared = self._prepare(delta, item, placement)
+        if keep and self._prepared_bytes + prepared.nbytes <= PREPARED_BYTES:
+            self._prepared[id(item)] = prepared
+            self._prepared_bytes += prepared.nbytes
+        current, divergent = self.assemble(placement, prepared.count, prepared.located)
+        return (None if divergent else digest_bytes(current)), current, prepared.decoded, prepared.located
 
     def apply_item(self, delta: Delta, item: Item, placement: Placement) -> tuple[str, int]:
         state, current, decoded, located = self._current(delta, item, placement)

@@ -57,6 +57,15 @@ def int_dtype(dtype: torch.dtype) -> torch.dtype:
     return _INT_OF_WIDTH[dtype.itemsize]
 
 
+def _c_contiguous(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -97,14 +106,23 @@ class Destination:
     def cast(self, canonical_dtype: torch.dtype) -> bool:
         return self.dst_dtype != canonical_dtype
 
+    @property
+    def contiguous(self) -> bool:
+        """Both views are C-contiguous runs: storage index = canonical index - src_offset + dst_offset."""
+        return _c_contiguous(self.src_size, self.src_stride) and _c_contiguous(self.dst_size, self.dst_stride)
+
     def locate(self, canonical: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For int64 canonical flat indices: (mask of those this copy holds, their storage indices).
 
         Inverts the source view by decomposing ``index - src_offset`` over its dimensions in
         descending stride order; exact for narrow/slice/step/transpose/permute views of a
-        contiguous tensor (the only views a loader makes of its input).
+        contiguous tensor (the only views a loader makes of its input). Contiguous copies (most
+        weights, and the row blocks of fused ones) are one offset.
         """
         rest = canonical - self.src_offset
+        if self.contiguous:
+            hit = (rest >= 0) & (rest < self.numel)
+            return hit, rest[hit] + self.dst_offset
         hit = rest >= 0
         dst = np.full_like(rest, self.dst_offset)
         for k in sorted(range(len(self.src_size)), key=lambda k: -self.src_stride[k]):
