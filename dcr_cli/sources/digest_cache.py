@@ -55,7 +55,7 @@ def save(file: Path, digests: dict[str, str], hashed_key: str) -> None:
         if _key(file) == hashed_key:
             save_entry(hashed_key, digests)
     except OSError:
-        pass
+        pass  # the file is gone: nothing to remember it by
 
 
 def files_key(files: list[Path], description: str) -> str:
