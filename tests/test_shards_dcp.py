@@ -164,6 +164,7 @@ def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates
 
     from dcr_cli import shard_diff
     from dcr_cli.sources import open_source
+    from dcr_cli.sources.shards import ShardCheckpoint
 
     monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
     base, target = tmp_path / "base", tmp_path / "target"
@@ -172,7 +173,7 @@ def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates
     hashed: list[str] = []
     digest = shard_diff.canonical_digest
 
-    def counting(ckpt, name):  # type: ignore[no-untyped-def]
+    def counting(ckpt: ShardCheckpoint, name: str) -> str:
         hashed.append(f"{Path(ckpt.root).name}:{name}")
         return digest(ckpt, name)
 
