@@ -15,7 +15,8 @@ from .store_options import parse_duration, parse_storage_options, storage_option
     "--grace",
     default="1h",
     show_default=True,
-    help="Leave objects no version references alone until this old (a push may be in progress).",
+    help="Leave objects no version references alone until this old (a push may be in progress); "
+    "keep it above 15 min plus your longest push, or a push reusing old blocks may lose them.",
 )
 @click.option("--dry-run", is_flag=True, help="Report what would be removed, remove nothing.")
 @storage_options
