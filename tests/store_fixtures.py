@@ -172,6 +172,21 @@ def spawn_dcr(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen
     )
 
 
+def diff_args(base: Path, new: Path, out: Path, base_version: str, target_version: str) -> list[str]:
+    """The `dcr diff` arguments for a delta from checkpoint ``base`` to ``new`` with explicit version labels."""
+    return [
+        "diff",
+        str(base),
+        str(new),
+        "-o",
+        str(out),
+        "--base-version",
+        base_version,
+        "--target-version",
+        target_version,
+    ]
+
+
 def json_out(proc: subprocess.CompletedProcess[str]) -> Any:
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from checkpoints import read_bits
-from store_fixtures import S3Endpoint, json_out, make_deltas, run_dcr
+from store_fixtures import S3Endpoint, diff_args, json_out, make_deltas, run_dcr
 
 
 def test_apply_from_s3_store_with_ack_then_commit(s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path) -> None:
@@ -53,15 +53,7 @@ def test_diff_push_overlaps_upload_and_publishes(s3_endpoint: S3Endpoint, s3_url
     ckpts, _ = make_deltas(tmp_path / "src", 1)
     out = json_out(
         run_dcr(
-            "diff",
-            str(ckpts[0]),
-            str(ckpts[1]),
-            "-o",
-            str(tmp_path / "d1"),
-            "--base-version",
-            "v0",
-            "--target-version",
-            "v1",
+            *diff_args(ckpts[0], ckpts[1], tmp_path / "d1", "v0", "v1"),
             "--push",
             s3_url,
             "--json",

@@ -75,14 +75,15 @@ def test_round_trip(store_url: tuple[str, dict], deltas: tuple[list[Path], list[
     assert with_repair.blocks == len({b.id for b in source.manifest.blocks})
 
 
-@pytest.mark.parametrize("backend", ["local", "memory", "s3"])
+@pytest.mark.parametrize("backend", ["local", "memory", "s3", "gcs"])
 def test_create_only_has_exactly_one_winner(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if backend == "local":
         store = Store(str(tmp_path / "store"))
     elif backend == "memory":
         store = Store(f"memory://dcr-{uuid.uuid4().hex}")
-    else:
-        store = Store(request.getfixturevalue("s3_url"), request.getfixturevalue("s3_endpoint").storage_options)
+    else:  # s3 or gcs: a real endpoint on 127.0.0.1, whose conditional create decides the race
+        url, endpoint = request.getfixturevalue(f"{backend}_url"), request.getfixturevalue(f"{backend}_endpoint")
+        store = Store(url, endpoint.storage_options)
     racers = 8
     barrier = threading.Barrier(racers)
     winners: list[int] = []

@@ -11,6 +11,7 @@ from store_fixtures import (
     S3Endpoint,
     big_delta,
     delta_files,
+    diff_args,
     json_out,
     make_deltas,
     run_dcr,
@@ -141,17 +142,7 @@ def test_main_job_through_a_local_store(tmp_path: Path) -> None:
     def dcr(*args: str) -> dict:
         return json_out(run_dcr(*args, "--json"))
 
-    dcr(
-        "diff",
-        str(ckpts[0]),
-        str(ckpts[1]),
-        "-o",
-        str(tmp_path / "d1"),
-        "--base-version",
-        "v0",
-        "--target-version",
-        "v1",
-    )
+    dcr(*diff_args(ckpts[0], ckpts[1], tmp_path / "d1", "v0", "v1"))
     assert dcr("push", str(tmp_path / "d1"), store)["uploaded_blocks"] > 0
     pulled = dcr("pull", store, "-o", str(tmp_path / "r1"))
     assert pulled["version"] == "v1" and Delta.open(tmp_path / "r1").id == Delta.open(tmp_path / "d1").id
@@ -167,30 +158,10 @@ def test_main_job_through_a_local_store(tmp_path: Path) -> None:
     assert status["diff_base"]["fingerprint"] == Delta.open(tmp_path / "d1").manifest.target.fingerprint
 
     # The producer diffs against the committed base; a delta on any other base is refused (exit 2).
-    dcr(
-        "diff",
-        str(ckpts[0]),
-        str(ckpts[2]),
-        "-o",
-        str(tmp_path / "bad"),
-        "--base-version",
-        "v0",
-        "--target-version",
-        "v2",
-    )
+    dcr(*diff_args(ckpts[0], ckpts[2], tmp_path / "bad", "v0", "v2"))
     wrong = run_dcr("push", str(tmp_path / "bad"), store)
     assert wrong.returncode == 2 and "dcr status" in wrong.stderr
-    dcr(
-        "diff",
-        str(ckpts[1]),
-        str(ckpts[2]),
-        "-o",
-        str(tmp_path / "d2"),
-        "--base-version",
-        "v1",
-        "--target-version",
-        "v2",
-    )
+    dcr(*diff_args(ckpts[1], ckpts[2], tmp_path / "d2", "v1", "v2"))
     dcr("push", str(tmp_path / "d2"), store)
     log = dcr("log", store)
     assert [(e["version"], e["state"]) for e in log] == [("v1", "committed"), ("v2", "pending")]

@@ -3,12 +3,11 @@
 The emulator enforces ifGenerationMatch=0, the precondition dcr's create-only writes use: a second
 create of an existing object is refused (HTTP 412, which gcsfs raises as FileExistsError), so lost
 races and the refused re-creation of the store marker that every push after the first counts on are
-the real thing here.
+the real thing here. The one-winner race runs for every backend in test_store.py.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -102,30 +101,6 @@ def test_create_is_refused_on_an_existing_object_and_put_overwrites(gcs_endpoint
     store.put("latest.json", b"old hint")
     store.put("latest.json", b"new hint")  # plain writes replace (the latest.json hint, blocks)
     assert store.read("latest.json") == b"new hint"
-
-
-def test_create_only_has_exactly_one_winner_over_gs(gcs_endpoint: GCSEndpoint, gcs_url: str) -> None:
-    store = Store(gcs_url, gcs_endpoint.storage_options)
-    racers = 8
-    barrier = threading.Barrier(racers)
-    winners: list[int] = []
-    losers: list[int] = []
-
-    def race(i: int) -> None:
-        barrier.wait()
-        try:
-            store.create("versions/race.json", f"writer {i}".encode())
-            winners.append(i)
-        except FileExistsError:
-            losers.append(i)
-
-    threads = [threading.Thread(target=race, args=(i,)) for i in range(racers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(winners) == 1 and len(losers) == racers - 1
-    assert store.read("versions/race.json") == f"writer {winners[0]}".encode()
 
 
 def test_a_chain_of_two_versions_over_gs(
