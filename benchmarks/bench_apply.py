@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers_checkpoints import write_checkpoint
 
 import dcr_cli
-from dcr_cli.differ import diff
-from dcr_cli.receivers import checkpoint as receiver
-from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
+from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
+from dcr_cli.produce import diff
+from dcr_cli.receive import checkpoint as receiver
 
 
 def model_tensors(size_mb: int, rng: np.random.Generator) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:

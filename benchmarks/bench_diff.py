@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import blake3
 
-from dcr_cli.differ import chunk_ranges, diff
+from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.format.codec import diff_region
 from dcr_cli.format.dtypes import dtype as lookup_dtype
 from dcr_cli.format.manifest import Region
-from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
+from dcr_cli.produce.engine import chunk_ranges, diff
 
 
 def entropy_bound_bytes(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> float:

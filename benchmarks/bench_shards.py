@@ -87,7 +87,7 @@ _HWM = (
     "atexit.register(report)\n"
     "sys.argv = sys.argv[1:]\n"
     "if sys.argv == ['--import-only']:\n"
-    "    import torch.distributed.checkpoint, dcr_cli.shard_diff, dcr_cli.sources.dcp\n"
+    "    import torch.distributed.checkpoint, dcr_cli.produce.shards, dcr_cli.checkpoints.dcp\n"
     "else:\n"
     "    runpy.run_module(sys.argv[0], run_name='__main__')\n"
 )
@@ -115,7 +115,7 @@ def main() -> None:
 
     from shard_writers import spawn_ranks
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-shards-"))
     if not (work / "target" / "hf").exists():

@@ -41,8 +41,8 @@ def main() -> None:
     from train_tiny import train
     from vllm_support import engine_env, ensure_plugin_entry_point, resident_model, start_llm
 
-    from dcr_cli.differ import diff
-    from dcr_cli.receivers.vllm import apply_to_llm, verify_llm
+    from dcr_cli.produce import diff
+    from dcr_cli.receive.vllm import apply_to_llm, verify_llm
 
     engine_env()
     ensure_plugin_entry_point()

@@ -12,16 +12,16 @@ __version__ = "0.1.0"
 
 _API = {
     # producer
-    "diff": "differ",
+    "diff": "produce.engine",
     "assemble": "delta.parts",
-    "inspect": "report",
+    "inspect": "delta.inspect",
     # receivers
-    "apply": "receivers.checkpoint",
-    "verify": "receivers.verify",
-    "apply_to_llm": "receivers.vllm",
-    "verify_llm": "receivers.vllm",
-    "apply_to_server": "receivers.vllm",
-    "verify_server": "receivers.vllm",
+    "apply": "receive.checkpoint",
+    "verify": "receive.verify",
+    "apply_to_llm": "receive.vllm",
+    "verify_llm": "receive.vllm",
+    "apply_to_server": "receive.vllm",
+    "verify_server": "receive.vllm",
     # store
     "push": "store",
     "pull": "store",

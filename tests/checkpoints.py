@@ -45,7 +45,7 @@ def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor], shards: int =
 
 def read_bits(root: Path) -> dict[str, bytes]:
     """Raw stored bytes of every tensor of a checkpoint directory."""
-    from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
+    from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 
     with SafetensorsCheckpoint(root) as ckpt:
         return {name: ckpt.view(name).tobytes() for name in ckpt.tensors}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.format.dtypes import dtype as lookup_dtype
 from dcr_cli.format.dtypes import numel
-from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 
 Tensors = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
 

@@ -227,7 +227,7 @@ def step(tensors: dict[str, np.ndarray], seed: int, rate: float = 0.05) -> dict[
 
 def make_deltas(tmp: Path, steps: int, *, seed: int = 0, size: int = 4096) -> tuple[list[Path], list[Path]]:
     """Checkpoints c0..cN and deltas d1..dN (di: c(i-1) -> ci, labelled v0 -> vi)."""
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     states = [base_tensors(seed, size)]
     for i in range(steps):
@@ -244,7 +244,7 @@ def make_deltas(tmp: Path, steps: int, *, seed: int = 0, size: int = 4096) -> tu
 def big_delta(tmp: Path, name: str = "big", *, tensors: int = 16, elements: int = 4096) -> Path:
     """A delta v0 -> v1 with one data and one repair block per tensor (all elements change), ~0.5 MiB in all."""
     from dcr_cli.delta.writer import DeltaWriter
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     rng = np.random.default_rng(7)
     base = {f"w{i:03d}": rng.standard_normal(elements).astype(np.float32) for i in range(tensors)}

@@ -29,15 +29,15 @@ import dcr_cli
 from dcr_cli.cli import main
 from dcr_cli.delta.reader import Delta
 from dcr_cli.delta.writer import DeltaWriter
-from dcr_cli.differ import diff
 from dcr_cli.errors import ConflictError, FormatError, IncompatibleError, IntegrityError
 from dcr_cli.format.codec import diff_region
 from dcr_cli.format.digest import digest_bytes
 from dcr_cli.format.dtypes import SUPPORTED
 from dcr_cli.format.dtypes import dtype as lookup_dtype
 from dcr_cli.format.manifest import Region, TensorEntry, VersionRef, fingerprint
-from dcr_cli.receivers import checkpoint as receiver
-from dcr_cli.receivers.checkpoint import read_state
+from dcr_cli.produce import diff
+from dcr_cli.receive import checkpoint as receiver
+from dcr_cli.receive.checkpoint import read_state
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:
@@ -314,7 +314,7 @@ def test_missing_tensor_with_trusted_state_is_refused(two_versions: tuple[Path, 
 
 
 def read_raw_tensors(root: Path) -> Tensors:
-    from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
+    from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 
     with SafetensorsCheckpoint(root) as ckpt:
         return {n: (loc.dtype, loc.shape, np.array(ckpt.view(n))) for n, loc in ckpt.tensors.items()}

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, read_raw, snapshot, write_checkpoint
 
-from dcr_cli.differ import diff
-from dcr_cli.receivers.checkpoint import read_state
+from dcr_cli.produce import diff
+from dcr_cli.receive.checkpoint import read_state
 
 ITERATIONS = 16
 

@@ -230,7 +230,7 @@ def test_large_tensor_is_split_into_items_and_round_trips(tmp_path: Path, dcr, m
     changed[idx] ^= 1
     a = write_checkpoint(tmp_path / "a", {"big": tensor_from_bits(bits, "BF16", (3 << 10, 1 << 10))})
     b = write_checkpoint(tmp_path / "b", {"big": tensor_from_bits(changed, "BF16", (3 << 10, 1 << 10))})
-    import dcr_cli.differ as diff_module
+    import dcr_cli.produce.engine as diff_module
 
     monkeypatch.setattr(diff_module, "CHUNK_BYTES", 1 << 20)
     summary = diff_module.diff(a, b, tmp_path / "d", workers=2)
@@ -240,7 +240,7 @@ def test_large_tensor_is_split_into_items_and_round_trips(tmp_path: Path, dcr, m
 
 
 def test_same_inputs_give_the_same_blocks(tmp_path: Path):
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     base, new = model_pair()
     a = write_checkpoint(tmp_path / "a", base)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr_cli.receivers.vllm.placement import Destination
+from dcr_cli.receive.vllm.placement import Destination
 
 
 def _strides(sizes: tuple[int, ...]) -> tuple[int, ...]:

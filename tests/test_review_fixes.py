@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.errors import FormatError
-from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
 
 
 def _raw_safetensors(path: Path, header: object, data: bytes = b"") -> None:
@@ -159,7 +159,7 @@ def test_inspect_prints_bracketed_labels_and_names_verbatim(tmp_path: Path) -> N
     from helpers_checkpoints import write_checkpoint
 
     from dcr_cli.cli import main
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     values = np.arange(8, dtype=np.uint32)
     write_checkpoint(tmp_path / "a", {"w[/]": ("F32", (8,), values)})
@@ -234,8 +234,8 @@ def test_ranges_and_boxes_never_mix_even_when_one_is_empty() -> None:
 
 @pytest.mark.parametrize("text", ["[1]", '"config"', "7"])
 def test_megatron_profile_that_is_not_an_object_is_a_clear_error(tmp_path: Path, text: str) -> None:
+    from dcr_cli.checkpoints.megatron import load_profile
     from dcr_cli.errors import IncompatibleError
-    from dcr_cli.sources.megatron import load_profile
 
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(IncompatibleError, match="not a JSON object"):
@@ -258,8 +258,8 @@ def test_changed_is_read_for_replace_items_only(tmp_path: Path) -> None:
     """Spec §4.4: `changed` is informative for replace; on xor it made inspect under-count changes."""
     from helpers_checkpoints import write_checkpoint
 
-    from dcr_cli.differ import diff
     from dcr_cli.format.manifest import parse_manifest
+    from dcr_cli.produce import diff
 
     values = np.zeros(4096, dtype=np.uint16)
     changed = values.copy()

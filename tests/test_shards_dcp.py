@@ -12,10 +12,10 @@ import pytest
 from shard_oracle import assert_oracle
 from shard_writers import write_fsdp_checkpoints
 
+from dcr_cli.checkpoints import detect_format
 from dcr_cli.delta.reader import Delta
-from dcr_cli.differ import diff
 from dcr_cli.errors import FormatError, IncompatibleError
-from dcr_cli.sources import detect_format
+from dcr_cli.produce import diff
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,8 +163,8 @@ def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates
     import shutil
 
     from dcr_cli import shard_diff
-    from dcr_cli.sources import open_source
-    from dcr_cli.sources.shards import ShardCheckpoint
+    from dcr_cli.checkpoints import open_source
+    from dcr_cli.checkpoints.shards import ShardCheckpoint
 
     monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
     base, target = tmp_path / "base", tmp_path / "target"

@@ -16,13 +16,13 @@ from safetensors.torch import save_file
 from shard_oracle import assert_oracle
 from shard_writers import megatron_globals, megatron_to_hf, mutate_megatron, write_megatron_checkpoints
 
+from dcr_cli.checkpoints.fp8 import fp8_block_quantize
+from dcr_cli.checkpoints.megatron import fp8_block
+from dcr_cli.delta.inspect import inspect
 from dcr_cli.delta.parts import assemble
 from dcr_cli.delta.reader import Delta
-from dcr_cli.differ import diff
 from dcr_cli.errors import IncompatibleError
-from dcr_cli.report import inspect
-from dcr_cli.sources.fp8 import fp8_block_quantize
-from dcr_cli.sources.megatron import fp8_block
+from dcr_cli.produce import diff
 
 BLOCK = (16, 16)  # q [32,16], k/v [16,16] whole blocks; gate/up [24,16] and down [16,24] partial edge blocks
 SKIPPED = "model.layers.1.self_attn.o_proj"

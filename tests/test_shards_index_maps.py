@@ -15,13 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr_cli.delta.parts import PARTS_DIR, assemble
-from dcr_cli.delta.reader import Delta
-from dcr_cli.errors import FormatError, IncompatibleError
-from dcr_cli.format.digest import digest_bytes
-from dcr_cli.format.manifest import Region
-from dcr_cli.shard_diff import check_compatible, diff_shard_checkpoints
-from dcr_cli.sources.shards import (
+from dcr_cli.checkpoints.shards import (
     CanonicalTensor,
     Chunk,
     Segment,
@@ -31,6 +25,12 @@ from dcr_cli.sources.shards import (
     chunk_pieces,
     identity_canonical,
 )
+from dcr_cli.delta.parts import PARTS_DIR, assemble
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import FormatError, IncompatibleError
+from dcr_cli.format.digest import digest_bytes
+from dcr_cli.format.manifest import Region
+from dcr_cli.produce.shards import check_compatible, diff_shard_checkpoints
 
 
 class ArrayReader(ShardReader):

@@ -14,12 +14,12 @@ from safetensors.torch import save_file
 from shard_oracle import assert_oracle
 from shard_writers import megatron_globals, megatron_to_hf, mutate_megatron, write_megatron_checkpoints
 
+from dcr_cli.checkpoints import detect_format
+from dcr_cli.delta.inspect import inspect
 from dcr_cli.delta.parts import assemble
 from dcr_cli.delta.reader import Delta
-from dcr_cli.differ import diff
 from dcr_cli.errors import IncompatibleError
-from dcr_cli.report import inspect
-from dcr_cli.sources import detect_format
+from dcr_cli.produce import diff
 
 COMMON = dict(
     hidden_size=16,

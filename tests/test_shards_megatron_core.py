@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 from shard_oracle import assert_oracle
 from shard_writers import full_tensors_from_dcp, megatron_to_hf, write_real_megatron_checkpoints
 
+from dcr_cli.delta.inspect import inspect
 from dcr_cli.delta.parts import assemble
 from dcr_cli.delta.reader import Delta
-from dcr_cli.differ import diff
-from dcr_cli.report import inspect
+from dcr_cli.produce import diff
 
 require_or_skip("megatron.core.dist_checkpointing")
 

@@ -157,7 +157,7 @@ def test_stale_version_cannot_be_committed(tmp_path: Path) -> None:
     from safetensors.numpy import load_file
     from store_fixtures import step, write_checkpoint
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     other = write_checkpoint(tmp_path / "other", step(load_file(str(ckpts[0] / "model.safetensors")), 999))
     diff(ckpts[0], other, tmp_path / "d1b", base_version="v0", target_version="v1b", workers=1)
@@ -202,7 +202,7 @@ def test_gc_keeps_what_live_versions_need(tmp_path: Path) -> None:
     """v1: A->B, v2: B->A, v3: A->B. XOR data is symmetric, so v3 shares blocks with v1 (and v2's data)."""
     from store_fixtures import base_tensors, step, write_checkpoint
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     a = base_tensors(3)
     b = step(a, 4)
@@ -246,7 +246,7 @@ def test_gc_racing_a_push_that_reuses_old_blocks_loses_nothing(tmp_path: Path, m
 
     from store_fixtures import base_tensors, step, write_checkpoint
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
     from dcr_cli.store import repo
 
     a = base_tensors(3)
@@ -360,7 +360,7 @@ def test_racing_pushes_meet_at_the_create_only_record(s3_endpoint: S3Endpoint, s
     from safetensors.numpy import load_file
     from store_fixtures import step, write_checkpoint
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     ckpts, (d1,) = make_deltas(tmp_path, 1)
     rival = write_checkpoint(tmp_path / "rival", step(load_file(str(ckpts[0] / "model.safetensors")), 5))
@@ -430,7 +430,7 @@ def test_genesis_label_cannot_be_reused_and_a_looping_chain_fails_instead_of_han
     """commits/<genesis>.json naming a version labelled like the genesis made every head walk loop forever."""
     import json
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     ckpts, (d1, _) = make_deltas(tmp_path / "a", 2)
     url = str(tmp_path / "store")
@@ -464,7 +464,7 @@ def test_base_label_that_is_a_path_cannot_escape_the_store(tmp_path: Path) -> No
 
     from store_fixtures import base_tensors, step, write_checkpoint
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     c0 = write_checkpoint(tmp_path / "c0", base_tensors(0, 256))
     c1 = write_checkpoint(tmp_path / "c1", step(base_tensors(0, 256), 1))

@@ -112,7 +112,7 @@ def test_kill_during_pull_then_resume(s3_endpoint: S3Endpoint, s3_url: str, tmp_
 def test_two_pushers_racing_for_one_version(s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     ckpts, (d1,) = make_deltas(tmp_path, 1)
     rival = write_checkpoint(tmp_path / "rival", step(load_file(str(ckpts[0] / "model.safetensors")), 77))

@@ -11,11 +11,11 @@ from click.testing import CliRunner
 from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, write_checkpoint
 
 import dcr_cli
+from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.cli import main
-from dcr_cli.differ import diff
 from dcr_cli.errors import IncompatibleError
 from dcr_cli.format.digest import digest_bytes
-from dcr_cli.sources.safetensors_dir import SafetensorsCheckpoint
+from dcr_cli.produce import diff
 
 
 def run_cli(*args: object) -> tuple[int, str, str]:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcr_cli.errors import IncompatibleError
-from dcr_cli.receivers.vllm.placement import flat_storage, trace_placement
+from dcr_cli.receive.vllm.placement import flat_storage, trace_placement
 
 
 class ViewLoader(torch.nn.Module):

@@ -26,7 +26,7 @@ from vllm_support import (
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import DcrError, IncompatibleError, VerifyFailed
-from dcr_cli.receivers.vllm import apply_to_llm, verify_llm
+from dcr_cli.receive.vllm import apply_to_llm, verify_llm
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +50,7 @@ def llama_tied(tmp_path_factory):
 def test_plugin_entry_point_is_the_declared_one():
     from vllm_support import installed_entry_point
 
-    assert installed_entry_point() == declared_entry_point() == "dcr_cli.receivers.vllm.plugin:register"
+    assert installed_entry_point() == declared_entry_point() == "dcr_cli.receive.vllm.plugin:register"
 
 
 def _chain_matches_fresh_engine(paths, monkeypatch=None, fail_after_writes: int | None = None):
@@ -116,7 +116,7 @@ class _Crash(RuntimeError):
 
 def _apply_with_crash(llm, delta, monkeypatch, writes_before_crash: int) -> None:
     """Apply ``delta`` and crash in the middle of one item's write (half of its elements written)."""
-    from dcr_cli.receivers.vllm import apply as engine_apply
+    from dcr_cli.receive.vllm import apply as engine_apply
 
     real_write = engine_apply._write_elements
     calls = {"n": 0}

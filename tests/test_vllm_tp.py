@@ -20,7 +20,7 @@ require_or_skip("vllm")  # under CI a missing vLLM fails the run
 
 from vllm_support import ensure_plugin_entry_point, train_run
 
-from dcr_cli.differ import diff
+from dcr_cli.produce import diff
 
 pytestmark = pytest.mark.vllm
 

@@ -103,7 +103,7 @@ def train_run(root: Path, arch: str, tie: bool, steps: int = 3) -> list[Path]:
     sys.path.insert(0, str(REPO / "examples"))
     from train_tiny import train
 
-    from dcr_cli.differ import diff
+    from dcr_cli.produce import diff
 
     # lr 1e-3 so that a few steps change the greedy generations, not only the bits.
     paths = train(root, steps, "tiny", lr=1e-3, tie_word_embeddings=tie, arch=arch)

@@ -20,7 +20,7 @@ def main() -> None:
     root, steps, tp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     from vllm_support import greedy, start_llm
 
-    from dcr_cli.receivers.vllm import apply_to_llm, verify_llm
+    from dcr_cli.receive.vllm import apply_to_llm, verify_llm
 
     started = time.perf_counter()
     llm = start_llm(root / f"step-{steps}", tensor_parallel_size=tp)

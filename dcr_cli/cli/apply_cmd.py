@@ -47,7 +47,7 @@ def command(
     deltas are applied as a chain, ordered from the receiver's version; ones already applied are
     skipped. After a crash or a failed write, re-run the same command: it finishes bit-exactly.
     """
-    from ..receivers.checkpoint import apply
+    from ..receive.checkpoint import apply
     from ..store import acknowledge, is_store, open_delta
 
     if bool(into) == bool(vllm_url):

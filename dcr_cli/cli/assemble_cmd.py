@@ -16,7 +16,7 @@ from .common import emit_json, handle_errors
 def command(out: str, as_json: bool) -> None:
     """Merge the producers' parts under OUT (from `dcr diff --rank R --world-size W`) into one delta."""
     from ..delta.parts import assemble
-    from ..differ import summarize
+    from ..delta.summary import summarize
 
     summary = summarize(Path(out), assemble(out))
     if as_json:

@@ -100,9 +100,9 @@ def command(
     (PyTorch DCP, DCP's HF shards, Megatron torch_dist); training checkpoints are
     read shard by shard and the delta is in HF (canonical) coordinates.
     """
-    from ..differ import diff
+    from ..checkpoints import detect_format
     from ..errors import IncompatibleError
-    from ..sources import detect_format
+    from ..produce.engine import diff
 
     rank = rank if rank is not None else _env_int("RANK")
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
@@ -117,14 +117,14 @@ def command(
         uploader = BlockUploader(push_url, parse_storage_options(storage_option))
     config = None
     if profile is not None:
-        from ..sources.megatron import load_profile
+        from ..checkpoints.megatron import load_profile
 
         config = load_profile(profile)
     elif include or strip_prefix:
         config = {"include": list(include), "strip_prefix": strip_prefix or ""}
     total = 0
     if (fmt or detect_format(new)) == "hf":
-        from ..sources.safetensors_dir import SafetensorsCheckpoint
+        from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
 
         with SafetensorsCheckpoint(new) as ckpt:
             total = sum(t.nbytes for t in ckpt.tensors.values())
@@ -161,7 +161,7 @@ def command(
         manifest = try_assemble_last(out)
         if manifest is None:
             return
-        from ..differ import summarize
+        from ..delta.summary import summarize
 
         summary = summarize(Path(out), manifest)
     if as_json:

@@ -16,7 +16,7 @@ from .common import emit_json, handle_errors, human_bytes
 @handle_errors
 def command(delta: str, as_json: bool, show_all: bool) -> None:
     """Show what DELTA (a directory or URL) holds."""
-    from ..report import inspect
+    from ..delta.inspect import inspect
 
     report = inspect(delta, changed_only=not show_all)
     if as_json:

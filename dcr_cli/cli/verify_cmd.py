@@ -27,7 +27,7 @@ def command(
     With --vllm, the engine's resident weights are read back through vLLM's own placement.
     Exit 0 when every tensor matches, 1 otherwise (the mismatching tensors are named).
     """
-    from ..receivers.verify import verify
+    from ..receive.verify import verify
 
     if bool(checkpoint) == bool(vllm_url):
         raise DcrError("give exactly one receiver: a CHECKPOINT directory or --vllm URL")

@@ -26,7 +26,7 @@ def chain_order(deltas: list[str]) -> list[str]:
     at the one delta whose base no other delta produces (the engine checks that base itself).
     """
     from ..errors import IncompatibleError
-    from ..receivers.checkpoint import expand_deltas
+    from ..receive.checkpoint import expand_deltas
 
     opened = {d.url: d.manifest for d in expand_deltas(deltas)}
     targets = {m.target.fingerprint for m in opened.values()}
@@ -45,7 +45,7 @@ def chain_order(deltas: list[str]) -> list[str]:
 def apply_vllm(deltas: tuple[str, ...], url: str, as_json: bool) -> Manifest:
     """Apply the chain of deltas to the server at ``url``; returns the manifest of the last one."""
     from ..delta.reader import Delta
-    from ..receivers.vllm import apply_to_server
+    from ..receive.vllm import apply_to_server
 
     reports = []
     order = chain_order(list(deltas))
@@ -58,7 +58,7 @@ def apply_vllm(deltas: tuple[str, ...], url: str, as_json: bool) -> Manifest:
 
 def verify_vllm(url: str, against: str | None, as_json: bool) -> None:
     from ..errors import VerifyFailed
-    from ..receivers.vllm import verify_server
+    from ..receive.vllm import verify_server
 
     try:
         answer = verify_server(url, against)

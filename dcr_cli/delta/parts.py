@@ -32,7 +32,8 @@ from ..format.manifest import (
     fingerprint,
     parse_manifest,
 )
-from .writer import DeltaWriter, fsync_dir, write_atomic
+from ..io.files import fsync_dir, write_atomic
+from .writer import DeltaWriter
 
 PARTS_DIR = "parts"
 PART_NAME = "part.json"

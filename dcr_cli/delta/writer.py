@@ -32,24 +32,7 @@ from ..format.manifest import (
     TensorEntry,
     VersionRef,
 )
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file so that readers see the old content or the new, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from ..io.files import fsync_dir, write_atomic
 
 
 class _BlockPacker:

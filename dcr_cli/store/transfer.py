@@ -25,10 +25,10 @@ from typing import Any
 
 from .. import __version__
 from ..delta.reader import Delta
-from ..delta.writer import fsync_dir, write_atomic
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
 from ..format.digest import digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
+from ..io.files import fsync_dir, write_atomic
 from .repo import BLOCKS, CHILDREN, MANIFESTS, VERSIONS, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
 
 Progress = Callable[[int], None]  # called with bytes transferred

@@ -24,16 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .delta.writer import DeltaWriter
-from .differ import CHUNK_BYTES, DiffSummary, Progress, chunk_ranges, default_workers, ordered_parallel, summarize
-from .errors import IncompatibleError
-from .format.codec import DEFAULT_LEVEL, EncodedItem, diff_region
-from .format.digest import StreamingDigest
-from .format.dtypes import dtype as lookup_dtype
-from .format.dtypes import numel
-from .format.manifest import Op, Region, VersionRef, fingerprint
-from .sources.safetensors_dir import layout_mismatch
-from .sources.shards import ChunkCache, ShardCheckpoint
+from ..checkpoints.safetensors_dir import layout_mismatch
+from ..checkpoints.shards import ChunkCache, ShardCheckpoint
+from ..delta.summary import DiffSummary, summarize
+from ..delta.writer import DeltaWriter
+from ..errors import IncompatibleError
+from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region
+from ..format.digest import StreamingDigest
+from ..format.dtypes import dtype as lookup_dtype
+from ..format.dtypes import numel
+from ..format.manifest import Op, Region, VersionRef, fingerprint
+from ..io.pool import default_workers, ordered_parallel
+from .engine import CHUNK_BYTES, Progress, chunk_ranges
 
 BAND_BYTES = CHUNK_BYTES
 
@@ -201,7 +203,7 @@ def diff_shard_checkpoints(
                 yield duplicate_task(key, name)
 
     if rank is not None:
-        from .delta.parts import part_dir
+        from ..delta.parts import part_dir
 
         writer = DeltaWriter(part_dir(out, rank))
     else:
@@ -212,7 +214,7 @@ def diff_shard_checkpoints(
                 writer.add(item)
         reasons = n.residual_reasons()
         if rank is not None:
-            from .delta.parts import finish_part
+            from ..delta.parts import finish_part
 
             finish_part(
                 writer,

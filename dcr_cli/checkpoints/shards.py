@@ -35,7 +35,7 @@ from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from ..format.manifest import TensorEntry
-from . import digest_cache
+from ..io import digest_cache
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

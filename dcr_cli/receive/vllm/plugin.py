@@ -52,7 +52,7 @@ def _register_backend() -> None:
 
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            BACKEND_NAME, "dcr_cli.receivers.vllm.backend", "DcrWeightTransferEngine"
+            BACKEND_NAME, "dcr_cli.receive.vllm.backend", "DcrWeightTransferEngine"
         )
 
 

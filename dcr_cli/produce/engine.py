@@ -4,69 +4,24 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
-from .delta.writer import DeltaWriter
-from .errors import IncompatibleError
-from .format.codec import DEFAULT_LEVEL, EncodedItem, diff_region
-from .format.digest import digest_bytes
-from .format.dtypes import dtype as lookup_dtype
-from .format.manifest import Manifest, Op, Region, VersionRef, fingerprint
-from .sources.safetensors_dir import SafetensorsCheckpoint, layout_mismatch
+from ..checkpoints.safetensors_dir import SafetensorsCheckpoint, layout_mismatch
+from ..delta.summary import DiffSummary, summarize
+from ..delta.writer import DeltaWriter
+from ..errors import IncompatibleError
+from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region
+from ..format.digest import digest_bytes
+from ..format.dtypes import dtype as lookup_dtype
+from ..format.manifest import Op, Region, VersionRef, fingerprint
+from ..io.pool import default_workers, ordered_parallel
 
 # One item covers at most this many bytes of a tensor: bounds memory per
 # worker and lets one huge tensor (an embedding) use every core.
 CHUNK_BYTES = 16 << 20
 
-T = TypeVar("T")
 Progress = Callable[[int], None]  # called with bytes of the new checkpoint processed
-
-
-@dataclass
-class DiffSummary:
-    delta: str
-    delta_id: str
-    base_version: str
-    target_version: str
-    tensors: int
-    total_elements: int
-    changed_elements: int
-    payload_bytes: int
-    manifest_bytes: int
-    repair_bytes: int
-    full_bytes: int
-
-    @property
-    def change_rate(self) -> float:
-        return self.changed_elements / self.total_elements if self.total_elements else 0.0
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "change_rate": self.change_rate}
-
-
-def default_workers() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
-def ordered_parallel(tasks: Iterable[Callable[[], T]], workers: int) -> Iterator[T]:
-    """Run tasks on a thread pool, yielding results in submission order.
-
-    At most 2 x workers tasks are in flight, which bounds memory. Threads
-    suffice: numpy, zstd and BLAKE3 release the GIL for the heavy work.
-    """
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        window: deque[Future[T]] = deque()
-        for task in tasks:
-            window.append(pool.submit(task))
-            if len(window) >= 2 * workers:
-                yield window.popleft().result()
-        while window:
-            yield window.popleft().result()
 
 
 def chunk_ranges(numel: int, itemsize: int) -> list[tuple[int, int]]:
@@ -95,7 +50,7 @@ def diff(
 
     Both are Hugging Face safetensors directories, or both training checkpoints
     (``format``: dcp, dcp-hf, megatron; autodetected when None), which are
-    diffed in canonical (HF) coordinates (dcr_cli/shard_diff.py).
+    diffed in canonical (HF) coordinates (dcr_cli/produce/shards.py).
     ``overwrite`` lists glob patterns of tensors whose receivers do not keep
     stored bits (e.g. they cast or quantize): those travel as absolute values.
     With ``rank``/``world_size`` this process writes only its part of the delta
@@ -103,13 +58,13 @@ def diff(
     ``on_block(id, data)`` sees every block as soon as it is written, so that
     sending can overlap building (``dcr_cli.store.BlockUploader``).
     """
-    from .sources import detect_format, open_source
+    from ..checkpoints import detect_format, open_source
 
     formats = {format or detect_format(base), format or detect_format(new)}
     if len(formats) != 1:
         raise IncompatibleError(f"BASE and NEW are of different formats ({' and '.join(sorted(formats))})")
     if formats != {"hf"}:
-        from .shard_diff import diff_shard_checkpoints
+        from .shards import diff_shard_checkpoints
 
         fmt = formats.pop()
         b_src, n_src = open_source(base, fmt, profile), open_source(new, fmt, profile)
@@ -195,20 +150,3 @@ def diff(
             writer.abort()
             raise
     return summarize(Path(out), manifest)
-
-
-def summarize(path: Path, manifest: Manifest) -> DiffSummary:
-    raw = manifest.to_json_bytes()
-    return DiffSummary(
-        delta=str(path),
-        delta_id=digest_bytes(raw),
-        base_version=manifest.base.version,
-        target_version=manifest.target.version,
-        tensors=len(manifest.tensors),
-        total_elements=manifest.total_elements(),
-        changed_elements=manifest.changed_elements(),
-        payload_bytes=manifest.payload_bytes(),
-        manifest_bytes=len(raw),
-        repair_bytes=manifest.repair_bytes(),
-        full_bytes=manifest.full_bytes(),
-    )

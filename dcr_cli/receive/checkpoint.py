@@ -35,15 +35,15 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoints.safetensors_dir import INDEX_NAME, SafetensorsCheckpoint, TensorLocation
 from ..delta.reader import Delta
-from ..delta.writer import fsync_dir, write_atomic
-from ..differ import default_workers
 from ..errors import ConflictError, FormatError, IncompatibleError, IntegrityError, VerifyFailed
 from ..format.codec import apply_values
 from ..format.digest import digest_bytes, is_digest
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import MANIFEST_NAME, Item, TensorEntry, VersionRef, fingerprint
-from ..sources.safetensors_dir import INDEX_NAME, SafetensorsCheckpoint, TensorLocation
+from ..io.files import fsync_dir, write_atomic
+from ..io.pool import default_workers
 from .verify import digest_tensors
 
 STATE_DIR = ".dcr"

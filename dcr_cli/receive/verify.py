@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..differ import default_workers, ordered_parallel
+from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
 from ..errors import IncompatibleError, IntegrityError
 from ..format.digest import digest_bytes
 from ..format.manifest import TensorEntry, fingerprint
-from ..sources.safetensors_dir import SafetensorsCheckpoint
+from ..io.pool import default_workers, ordered_parallel
 
 
 def digest_tensors(ckpt: SafetensorsCheckpoint, workers: int | None = None) -> dict[str, TensorEntry]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from .delta.reader import Delta
+from .reader import Delta
 
 
 @dataclass
