@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 _API = {
     # producer

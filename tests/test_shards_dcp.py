@@ -162,7 +162,7 @@ def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates
 ) -> None:
     import shutil
 
-    from dcr_cli import shard_diff
+    from dcr_cli.produce import shards as shard_diff
     from dcr_cli.checkpoints import open_source
     from dcr_cli.checkpoints.shards import ShardCheckpoint
 

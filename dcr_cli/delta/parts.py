@@ -210,7 +210,7 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
     residual = objs[0].get("residual_tensors") or {}
     from datetime import datetime, timezone
 
-    from .. import __version__
+    from .._version import __version__
 
     manifest = Manifest(
         base=VersionRef(objs[0].get("base_version") or base_fp[:16], base_fp),

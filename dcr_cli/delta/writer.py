@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..errors import ConflictError
 from ..format.codec import EncodedItem
 from ..format.digest import digest_bytes

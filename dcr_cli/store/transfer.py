@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..delta.reader import Delta
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
 from ..format.digest import digest_bytes

@@ -1,0 +1,97 @@
+"""The one JSON reader for everything dcr parses: manifests, store records, receiver state, headers.
+
+Python's ``json`` accepts inputs that would let a hostile file mean two things or crash a reader:
+the last of two equal keys wins silently, ``NaN`` and ``Infinity`` parse, a 5,000-digit integer
+raises ValueError, 1,000 nested brackets raise RecursionError, and ``"\\ud800"`` yields a string
+that cannot be encoded again. ``load_json`` refuses all of them with a FormatError that names the
+file, so every caller fails closed with one line (delta-v1 §8, "JSON").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError
+
+MAX_DEPTH = 64  # nesting levels of arrays and objects; dcr's own documents use at most 6
+MAX_INT_DIGITS = 20  # enough for any 64-bit value
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SUSPECT_ESCAPE = re.compile(rb"\\u(?:[dD][89a-fA-F]|0000)", re.IGNORECASE)
+_OPEN = np.frombuffer(b"[{", dtype=np.uint8)
+_CLOSE = np.frombuffer(b"]}", dtype=np.uint8)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _depth(raw: bytes) -> int:
+    """Deepest bracket nesting, strings excluded; linear, no recursion."""
+    skeleton = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
+    if skeleton.size == 0:
+        return 0
+    step = np.isin(skeleton, _OPEN).astype(np.int32) - np.isin(skeleton, _CLOSE).astype(np.int32)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _check_strings(value: Any) -> None:
+    """Every string (keys included) must be encodable UTF-8 without NUL; iterative, no recursion."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            strings: list[str] = [v]
+        elif isinstance(v, dict):
+            strings = list(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+            continue
+        else:
+            continue
+        for s in strings:
+            if "\x00" in s:
+                raise ValueError(f"a NUL character in {s!r}")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"a lone surrogate in {s.encode('utf-8', 'backslashreplace').decode()!r}") from None
+
+
+def load_json(raw: bytes | str, what: str) -> Any:
+    """Parse ``raw`` strictly; ``what`` names the document in the error ("manifest.json", a path)."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{what}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    depth = _depth(data)
+    if depth > MAX_DEPTH:
+        raise FormatError(f"{what}: JSON nested {depth} levels deep (at most {MAX_DEPTH})")
+    try:
+        obj = json.loads(text, object_pairs_hook=_pairs, parse_int=_parse_int, parse_constant=_refuse_constant)
+        if _SUSPECT_ESCAPE.search(data):
+            _check_strings(obj)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{what}: not valid JSON ({exc})") from None
+    return obj
