@@ -19,8 +19,8 @@ import pytest
 from store_fixtures import S3Endpoint, make_deltas
 
 from dcr_cli.errors import IntegrityError
+from dcr_cli.io.retry import StoreUnavailable, is_transient, retrying
 from dcr_cli.store import Store, pull, push
-from dcr_cli.store.retry import StoreUnavailable, is_transient, retrying
 
 
 class FlakyProxy:
@@ -173,6 +173,10 @@ def test_push_and_pull_ride_out_resets(
 def test_classification_of_real_exceptions() -> None:
     from botocore.exceptions import ClientError, EndpointConnectionError
 
+    from dcr_cli.store.backends import backend_class
+
+    s3 = backend_class("s3").transient  # what botocore raises is known to the s3:// backend
+
     def client_error(status: int, code: str) -> ClientError:
         return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
 
@@ -184,7 +188,7 @@ def test_classification_of_real_exceptions() -> None:
         client_error(503, "SlowDown"),
         client_error(500, "InternalError"),
     ):
-        assert is_transient(transient), transient
+        assert is_transient(transient, s3), transient
     for permanent in (
         FileNotFoundError(),
         FileExistsError(),
@@ -193,7 +197,7 @@ def test_classification_of_real_exceptions() -> None:
         client_error(403, "AccessDenied"),
         ValueError("bad"),
     ):
-        assert not is_transient(permanent), permanent
+        assert not is_transient(permanent, s3), permanent
 
     calls: list[int] = []
 

@@ -32,7 +32,7 @@ def command(
     Exit 1 if anything is damaged; leftovers alone are reported with exit 0 (dcr gc removes them).
     """
     from ..store import check
-    from ..store.check import parse_subset
+    from ..store.audit import parse_subset
 
     subset = parse_subset(read_data_subset) if read_data_subset else None
     result = check(

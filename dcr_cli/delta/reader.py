@@ -1,58 +1,121 @@
-"""Reads a delta directory from a local path or any fsspec URL, checking every byte it uses."""
+"""Reads a delta from a block source, checking every byte it uses.
+
+A delta is its manifest plus a :class:`BlockSource`. It has a *location*, ``Delta.url``, from which
+``Delta.open`` opens the same delta again (in another process too, e.g. a vLLM worker), and a
+*label* for messages. Two kinds of location open:
+
+* a delta directory, local or any fsspec URL: ``DIR`` with ``DIR/manifest.json`` and ``DIR/blocks/``;
+* a manifest in a dcr store, ``STORE/manifests/<digest>.json`` with the blocks in ``STORE/blocks/``
+  (format_spec/store-v1.md §1). The name is the BLAKE3 of the manifest bytes, so the location
+  proves what it names: bytes with another digest are refused.
+
+Every section is checked against its digest when read. ``verify_blocks`` checks whole blocks; for a
+remote source it keeps each verified block (memory, then a temporary directory), so that a whole
+apply fetches every data block once, and repair blocks only when a torn item needs them (delta-v1 §7.3).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
 import fsspec
 import numpy as np
 
-from ..errors import FormatError, IntegrityError
+from ..errors import DcrError, FormatError, IntegrityError
 from ..format.codec import DecodedItem, decode_data, decode_values
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, BlockEntry, Item, Manifest, Section, parse_manifest
+from .source import BlockSource, BlockSpool
+
+STORE_MANIFESTS = "manifests"  # store-v1 §1: manifests/<digest>.json beside blocks/
+_STORE_MANIFEST = re.compile(rf"(?P<root>.*)/{STORE_MANIFESTS}/(?P<digest>[0-9a-f]{{64}})\.json")
+FETCH_WORKERS = 8  # parallel block fetches from a remote source
 
 
-@dataclass
+@dataclass(eq=False)  # identity: receivers keep deltas in lists and ask "is this one in the plan"
 class Delta:
     """An opened delta: its parsed manifest and access to its blocks."""
 
-    url: str
+    url: str  # location: Delta.open(url) opens this delta again
     manifest: Manifest
     id: str  # digest of the manifest bytes
     manifest_bytes: int
-    fs: fsspec.AbstractFileSystem
-    root: str
+    source: BlockSource
+    label: str = ""  # for messages (default: the location)
+    manifest_path: str = ""  # where the manifest's bytes are, on the source's filesystem
+    _spool: BlockSpool = field(default_factory=BlockSpool, repr=False)
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.url
 
     @staticmethod
-    def open(url: str | os.PathLike[str]) -> Delta:
-        url = os.fspath(url)
-        fs, root = fsspec.core.url_to_fs(url)
-        root = root.rstrip("/")
-        path = f"{root}/{MANIFEST_NAME}"
+    def open(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Delta:
+        """Open a delta directory, or a store manifest ``STORE/manifests/<digest>.json`` (see the module doc)."""
+        location = os.fspath(url)
         try:
-            size = fs.size(path)
-        except (FileNotFoundError, OSError):
+            fs, path = fsspec.core.url_to_fs(location, **(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise DcrError(f"cannot open {location}: {exc}") from None
+        path = path.rstrip("/") or path
+        store = _STORE_MANIFEST.fullmatch(path)
+        if store is not None:
+            root, manifest_path, expected = store["root"], path, store["digest"]
+        else:
+            root, manifest_path, expected = path, f"{path}/{MANIFEST_NAME}", None
+        source = BlockSource(fs, root, label=location)
+        try:
+            raw = source.call(lambda: _read_manifest(source, manifest_path), f"read {manifest_path}")
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise FormatError(
-                f"{url} is not a dcr delta (no {MANIFEST_NAME}); was it fully written or pulled?"
+                f"{location} is not a dcr delta (no {MANIFEST_NAME}); was it fully written or pulled?"
             ) from None
-        if size is not None and size > MAX_MANIFEST_BYTES:
-            raise FormatError(f"{url}: manifest of {size} bytes is over the {MAX_MANIFEST_BYTES} byte limit")
-        raw = fs.cat_file(path)
-        return Delta(url, parse_manifest(raw), digest_bytes(raw), len(raw), fs, root)
+        digest = digest_bytes(raw)
+        if expected is not None and digest != expected:
+            raise IntegrityError(f"{location}: the manifest's bytes do not have the digest its name says (corrupt)")
+        return Delta(location, parse_manifest(raw), digest, len(raw), source, manifest_path=manifest_path)
+
+    # -- where the blocks are (kept for callers that use the filesystem directly) --------------------------------
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return self.source.fs
+
+    @property
+    def root(self) -> str:
+        return self.source.root
 
     def block_path(self, block: BlockEntry) -> str:
-        return f"{self.root}/{block.path}"
+        return self.source.path(block)
+
+    def has_block(self, block: BlockEntry) -> bool:
+        """Whether the block can be read here (fetched already, or present at the source)."""
+        return block.id in self._spool or self.source.exists(block)
+
+    def raw_manifest(self) -> bytes:
+        """The manifest's bytes, read again; IntegrityError if they are no longer the ones opened."""
+        raw = self.source.call(lambda: _read_manifest(self.source, self.manifest_path), f"read {self.manifest_path}")
+        if digest_bytes(raw) != self.id:
+            raise IntegrityError(f"{self.label}: the manifest changed since it was opened")
+        return raw
+
+    # -- reading -------------------------------------------------------------------------------------------------
 
     def read_section(self, section: Section, what: str) -> bytes:
         block = self.manifest.blocks[section.block]
-        try:
-            data = self.fs.cat_file(self.block_path(block), start=section.offset, end=section.offset + section.length)
-        except FileNotFoundError:
-            raise IntegrityError(f"{what}: block {block.id[:16]}… is missing from {self.url}") from None
+        end = section.offset + section.length
+        if block.id in self._spool:
+            data = self._spool.read(block.id, section.offset, end)
+        else:
+            try:
+                data = self.source.read(block, section.offset, end)
+            except FileNotFoundError:
+                raise IntegrityError(f"{what}: block {block.id[:16]}… is missing from {self.label}") from None
         if len(data) != section.length:
             raise IntegrityError(f"{what}: block {block.id[:16]}… is truncated")
         if digest_bytes(data) != section.digest:
@@ -60,17 +123,45 @@ class Delta:
         return data
 
     def verify_blocks(self, roles: tuple[str, ...] = ("data",)) -> None:
-        """Check that every block of the given roles is present, of its size and digest."""
-        for block in self.manifest.blocks:
-            if block.role not in roles:
-                continue
-            path = self.block_path(block)
+        """Check that every block of the given roles is present, of its size and digest.
+
+        Reads each block in bounded ranges, never more than its declared size plus one byte. From
+        a remote source the verified blocks are kept, so later section reads fetch nothing again.
+        """
+        wanted = list({b.id: b for b in self.manifest.blocks if b.role in roles and b.id not in self._spool}.values())
+
+        def fetch(block: BlockEntry) -> None:
             try:
-                data = self.fs.cat_file(path)
+                if self.source.remote:
+                    self._spool.add(block.id, self.source.chunks(block), block.size)
+                else:
+                    for _ in self.source.chunks(block):
+                        pass
             except FileNotFoundError:
-                raise IntegrityError(f"block {block.id[:16]}… is missing from {self.url}") from None
-            if len(data) != block.size or digest_bytes(data) != block.id:
-                raise IntegrityError(f"block {block.id[:16]}… in {self.url} is truncated or corrupt")
+                raise IntegrityError(f"block {block.id[:16]}… is missing from {self.label}") from None
+
+        if not self.source.remote or len(wanted) < 2:
+            for block in wanted:
+                fetch(block)
+            return
+        with ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="dcr-fetch") as pool:
+            for future in [pool.submit(fetch, b) for b in wanted]:
+                future.result()
+
+    def check_repair_blocks(self) -> None:
+        """Repair blocks are optional. Local ones that are here must be intact (checked whole); a remote
+        source's are never fetched for this: each is checked by its section digests if a torn item reads it."""
+        if self.source.remote:
+            return
+        for block in {b.id: b for b in self.manifest.blocks if b.role == "repair"}.values():
+            if self.source.exists(block):
+                try:
+                    for _ in self.source.chunks(block):
+                        pass
+                except (IntegrityError, FileNotFoundError):
+                    raise IntegrityError(
+                        f"repair block {block.id[:16]}… in {self.label} is truncated or corrupt"
+                    ) from None
 
     def decode(self, item: Item) -> DecodedItem:
         what = f"{item.tensor} {item.region.to_json()}"
@@ -92,3 +183,16 @@ class Delta:
         for item in self.manifest.items:
             groups.setdefault(item.tensor, []).append(item)
         yield from groups.items()
+
+
+def _read_manifest(source: BlockSource, path: str) -> bytes:
+    """The manifest's bytes, reading at most the format's limit plus one byte (delta-v1 §8)."""
+    if source.local:
+        from ..io.reading import read_regular_file
+
+        raw = read_regular_file(path, 0, MAX_MANIFEST_BYTES + 1)
+    else:
+        raw = bytes(source.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1))
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{path}: manifest over the {MAX_MANIFEST_BYTES} byte limit")
+    return raw

@@ -287,8 +287,7 @@ def apply_item(delta: Delta, item: Item, view: np.ndarray, shape: tuple[int, ...
 
 def _repair_available(delta: Delta, item: Item) -> bool:
     assert item.repair is not None
-    block = delta.manifest.blocks[item.repair.block]
-    return bool(delta.fs.exists(delta.block_path(block)))
+    return delta.has_block(delta.manifest.blocks[item.repair.block])
 
 
 # --------------------------------------------------------------------------- planning
@@ -405,12 +404,8 @@ def check_delta(delta: Delta) -> None:
     m = delta.manifest
     if fingerprint(m.tensors) != m.target.fingerprint:
         raise IntegrityError(f"{delta.url}: manifest tensor table does not match its target fingerprint (tampered?)")
-    delta.verify_blocks(("data",))
-    for block in m.blocks:  # repair blocks are optional; the ones that are here must be intact
-        if block.role == "repair" and delta.fs.exists(delta.block_path(block)):
-            size = delta.fs.size(delta.block_path(block))
-            if size != block.size or digest_bytes(delta.fs.cat_file(delta.block_path(block))) != block.id:
-                raise IntegrityError(f"repair block {block.id[:16]}… in {delta.url} is truncated or corrupt")
+    delta.verify_blocks(("data",))  # from a store: fetched once here, and kept for the apply
+    delta.check_repair_blocks()  # optional; local ones must be intact, a store's are fetched only if needed
 
 
 def check_layout(delta: Delta, ckpt: SafetensorsCheckpoint, root: Path) -> None:

@@ -1,8 +1,14 @@
-"""dcr stores: publishing, fetching and committing deltas over any fsspec URL (format_spec/store-v1.md)."""
+"""dcr stores: publishing, fetching and committing deltas over any fsspec URL (format_spec/store-v1.md).
 
-from .check import CheckResult, check
-from .commit import CommitResult, VersionInfo, acknowledge, commit, committed_base, log, status
-from .gc import GcResult, gc
+Modules: ``backends`` (fsspec protocol -> capabilities), ``repo`` (layout, records, the Store),
+``transfer`` (push, pull, reading a version in place), ``streaming`` (uploads during a diff),
+``ledger`` (acknowledgements, commits, status, log), ``collect`` (gc), ``audit`` (check).
+The names below are the package's API; none of them is also the name of one of its modules.
+"""
+
+from .audit import CheckResult, check
+from .collect import GcResult, gc
+from .ledger import CommitResult, VersionInfo, acknowledge, commit, committed_base, log, status
 from .repo import Ref, Store, VersionRecord
 from .streaming import BlockUploader
 from .transfer import PullResult, PushResult, is_store, open_delta, open_version, pull, pull_since, push

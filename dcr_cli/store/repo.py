@@ -20,22 +20,23 @@ writers wins.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
-import os
 import re
-import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-import fsspec
-
-from ..errors import DcrError, FormatError
-from ..format.digest import is_digest
-from .retry import describe, retrying
+from ..delta.reader import STORE_MANIFESTS
+from ..delta.source import BlockSource
+from ..errors import DcrError, FormatError, IntegrityError
+from ..format.digest import digest_bytes, is_digest
+from ..format.manifest import BlockEntry
+from ..format.strict_json import load_json
+from ..io.retry import calling
+from .backends import Capabilities, open_filesystem
 
 T = TypeVar("T")
 
@@ -44,19 +45,15 @@ STORE_MAJOR = 1
 STORE_MINOR = 0
 MARKER = "dcr-store.json"
 BLOCKS = "blocks"
-MANIFESTS = "manifests"
+MANIFESTS = STORE_MANIFESTS
 VERSIONS = "versions"
 ACKS = "acks"
 COMMITS = "commits"
 CHILDREN = "children"
 LATEST = "latest.json"
-TMP_PREFIX = ".tmp-"  # local stores: objects being written; never a valid name of anything else
 
 MAX_RECORD_BYTES = 1 << 20
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-# In-process lock that makes memory:// create-only writes atomic (a memory store lives in one process).
-_MEMORY_LOCK = threading.Lock()
 
 
 def check_label(label: str, what: str) -> str:
@@ -81,10 +78,7 @@ def parse_record(raw: bytes, kind: str, where: str) -> dict[str, Any]:
     """Parse a store record of the given kind, refusing unknown majors and malformed JSON."""
     if len(raw) > MAX_RECORD_BYTES:
         raise FormatError(f"{where}: record of {len(raw)} bytes is over the {MAX_RECORD_BYTES} byte limit")
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise FormatError(f"{where}: not valid JSON (truncated or corrupt)") from None
+    obj = load_json(raw, where)  # duplicate keys, deep nesting, huge integers...: refused
     if not isinstance(obj, dict) or obj.get("format") != kind:
         raise FormatError(f"{where}: not a {kind} record")
     version = obj.get("format_version")
@@ -247,47 +241,26 @@ class Store:
         allow_unsafe_publish: bool = False,
     ) -> None:
         self.url = url
-        try:
-            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        except (ValueError, ImportError) as exc:
-            raise DcrError(f"cannot open store {url}: {describe(exc)}") from None
+        self.backend, root = open_filesystem(url, storage_options)
+        self.fs = self.backend.fs
         self.root = root.rstrip("/") or root
         self.allow_unsafe_publish = allow_unsafe_publish
-        self.publish_method = self._publish_method()
 
     # -- backend capabilities ------------------------------------------------------------------------------------
 
     @property
-    def is_local(self) -> bool:
-        from fsspec.implementations.local import LocalFileSystem
-
-        return isinstance(self.fs, LocalFileSystem)
+    def capabilities(self) -> Capabilities:
+        return self.backend.capabilities
 
     @property
-    def is_memory(self) -> bool:
-        from fsspec.implementations.memory import MemoryFileSystem
-
-        return isinstance(self.fs, MemoryFileSystem)
-
-    def _publish_method(self) -> str | None:
-        """How this backend makes a create-only write atomic, or None when it cannot."""
-        if self.is_local:
-            return "link"  # write a temporary file, then link(2) it: fails if the name exists
-        if self.is_memory:
-            return "process-lock"
-        package = type(self.fs).__module__.split(".")[0]
-        if package == "s3fs":
-            return "if-none-match"  # S3 conditional PUT, through s3fs pipe_file(mode="create")
-        if package == "gcsfs":
-            return "if-generation-match"  # GCS ifGenerationMatch=0, through gcsfs pipe_file(mode="create")
-        if package == "adlfs":
-            return "azure-if-none-match"  # Azure upload_blob(overwrite=False), through adlfs pipe_file
-        return None
+    def publish_method(self) -> str | None:
+        """How this backend makes a create-only write atomic, or None when it cannot (store-v1 §2)."""
+        return self.capabilities.atomic_create
 
     def require_atomic_publish(self) -> None:
         if self.publish_method is None and not self.allow_unsafe_publish:
             raise DcrError(
-                f"{self.url}: this store ({type(self.fs).__name__}) cannot create an object atomically, so two "
+                f"{self.url}: this store ({self.backend.name}) cannot create an object atomically, so two "
                 "producers could both believe they published the same version; use a local, file://, s3://, "
                 "gs:// or az:// store, or pass --allow-unsafe-publish if only one producer ever writes here"
             )
@@ -298,18 +271,51 @@ class Store:
         return "/".join((self.root, *parts))
 
     def call(self, fn: Callable[[], T], what: str) -> T:
-        try:
-            return retrying(fn, f"{self.url}: {what}")
-        except (DcrError, OSError):
-            raise
-        except Exception as exc:  # client library errors (credentials, parameters...): one line, no traceback
-            raise DcrError(f"{self.url}: {what} failed: {describe(exc)}") from exc
+        """Run one store operation with retries; client-library errors become one DcrError line."""
+        return calling(fn, f"{self.url}: {what}", self.backend.transient)
 
-    def read(self, rel: str) -> bytes:
-        return self.call(lambda: self.fs.cat_file(self.path(rel)), f"read {rel}")
+    def read(self, rel: str, *, limit: int | None = None) -> bytes:
+        """A whole object; with ``limit``, at most that many bytes are read and a larger object is refused."""
+        path = self.path(rel)
+        if limit is None:
+            return self.call(lambda: self.backend.read(path), f"read {rel}")
+        data = self.call(lambda: self.backend.read(path, 0, limit + 1), f"read {rel}")
+        if len(data) > limit:
+            raise FormatError(f"{self.url}/{rel}: over the {limit} byte limit; the store is damaged")
+        return data
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
-        return self.call(lambda: self.fs.cat_file(self.path(rel), start=start, end=end), f"read {rel}")
+        return self.call(lambda: self.backend.read(self.path(rel), start, end), f"read {rel}")
+
+    def size(self, rel: str) -> int | None:
+        """The object's size asked afresh, None if it is absent."""
+
+        def run() -> int | None:
+            self.fs.invalidate_cache(self.path(rel))
+            try:
+                info = self.fs.info(self.path(rel))
+            except FileNotFoundError:
+                return None
+            if info.get("type") == "directory":
+                return None
+            return int(info.get("size") or 0)
+
+        return self.call(run, f"check {rel}")
+
+    def stat(self, rel: str) -> Listing | None:
+        """Size and modification time of one object, asked afresh; None if it is absent."""
+
+        def run() -> Listing | None:
+            self.fs.invalidate_cache(self.path(rel))
+            try:
+                info = self.fs.info(self.path(rel))
+            except FileNotFoundError:
+                return None
+            if info.get("type") == "directory":
+                return None
+            return Listing(rel.rsplit("/", 1)[-1], int(info.get("size") or 0), self.backend.mtime(info))
+
+        return self.call(run, f"check {rel}")
 
     def exists(self, rel: str) -> bool:
         def run() -> bool:
@@ -318,28 +324,28 @@ class Store:
 
         return self.call(run, f"check {rel}")
 
-    def list(self, rel_dir: str) -> list[Listing]:
+    def list(self, rel_dir: str) -> builtins.list[Listing]:
         """Objects directly under a store directory (names only, no subdirectories); [] if it is absent."""
         path = self.path(rel_dir)
 
-        def run() -> list[Listing]:
+        def run() -> builtins.list[Listing]:
             self.fs.invalidate_cache(path)
             try:
                 entries = self.fs.ls(path, detail=True)
             except FileNotFoundError:
                 return []
             return [
-                Listing(e["name"].rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0), _mtime(e))
+                Listing(e["name"].rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0), self.backend.mtime(e))
                 for e in entries
                 if e.get("type") != "directory"
             ]
 
         return self.call(run, f"list {rel_dir}/")
 
-    def list_dirs(self, rel_dir: str) -> list[str]:
+    def list_dirs(self, rel_dir: str) -> builtins.list[str]:
         path = self.path(rel_dir)
 
-        def run() -> list[str]:
+        def run() -> builtins.list[str]:
             self.fs.invalidate_cache(path)
             try:
                 entries = self.fs.ls(path, detail=True)
@@ -351,15 +357,8 @@ class Store:
 
     def modified(self, rel: str) -> float | None:
         """When the object was last written (seconds since the epoch), asked afresh; None if absent or unknown."""
-
-        def run() -> float | None:
-            self.fs.invalidate_cache(self.path(rel))
-            try:
-                return _mtime(self.fs.info(self.path(rel)))
-            except FileNotFoundError:
-                return None
-
-        return self.call(run, f"check {rel}")
+        entry = self.stat(rel)
+        return None if entry is None else entry.mtime
 
     def delete(self, rel: str) -> None:
         def run() -> None:
@@ -370,77 +369,19 @@ class Store:
 
     def put(self, rel: str, data: bytes) -> None:
         """Write an object whole: readers see the previous state or all of ``data``, never a part."""
-        self.call(lambda: self._put(rel, data), f"write {rel}")
+        self.call(lambda: self.backend.put(self.path(rel), data), f"write {rel}")
 
     def create(self, rel: str, data: bytes) -> None:
         """Create an object only if the name is free; raise FileExistsError if someone got there first."""
         self.require_atomic_publish()
-        self.call(lambda: self._create(rel, data), f"create {rel}")
-
-    def _put(self, rel: str, data: bytes) -> None:
-        path = self.path(rel)
-        if self.is_local:
-            tmp = self._local_tmp(path, data)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-            _fsync_dir(os.path.dirname(path))
-            return
-        if self.is_memory:
-            self.fs.makedirs(os.path.dirname(path) or "/", exist_ok=True)
-        self.fs.pipe_file(path, data)  # one PUT: object stores make it visible only when complete
-
-    def _create(self, rel: str, data: bytes) -> None:
-        path = self.path(rel)
-        method = self.publish_method
-        if method == "link":
-            tmp = self._local_tmp(path, data)
-            try:
-                os.link(tmp, path)  # atomic, fails with FileExistsError if the name is taken
-            finally:
-                _unlink_quietly(tmp)
-            _fsync_dir(os.path.dirname(path))
-        elif method == "process-lock":
-            with _MEMORY_LOCK:
-                if self.fs.exists(path):
-                    raise FileExistsError(path)
-                self.fs.makedirs(os.path.dirname(path) or "/", exist_ok=True)
-                self.fs.pipe_file(path, data)
-        elif method in ("if-none-match", "if-generation-match", "azure-if-none-match"):
-            try:
-                if method == "azure-if-none-match":
-                    self.fs.pipe_file(path, data, overwrite=False)
-                else:
-                    self.fs.pipe_file(path, data, mode="create")
-            except FileExistsError:
-                raise
-            except Exception as exc:
-                if _lost_conditional_create(exc):
-                    raise FileExistsError(path) from exc
-                raise
-        else:  # --allow-unsafe-publish: check, then write (a racing writer may slip in between)
-            if self.fs.exists(path):
-                raise FileExistsError(path)
-            self.fs.pipe_file(path, data)
-
-    def _local_tmp(self, path: str, data: bytes) -> str:
-        directory, name = os.path.split(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}-{name}")
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
+        self.call(lambda: self.backend.create(self.path(rel), data), f"create {rel}")
 
     # -- typed records -----------------------------------------------------------------------------------------------
 
     def read_record(self, rel: str, kind: str) -> dict[str, Any] | None:
         """A record, or None if it does not exist."""
         try:
-            raw = self.read(rel)
+            raw = self.read(rel, limit=MAX_RECORD_BYTES)
         except FileNotFoundError:
             return None
         return parse_record(raw, kind, f"{self.url}/{rel}")
@@ -468,8 +409,6 @@ class Store:
         }
         if self.marker() is not None:
             return self.genesis()  # the common case; never rely on a create being refused when a read will do
-        if self.is_local:
-            os.makedirs(self.root, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             self.create(MARKER, dumps(marker))
         return self.genesis()
@@ -496,7 +435,7 @@ class Store:
                     out[name] = record
         return out
 
-    def children(self, base_version: str) -> list[VersionRecord]:
+    def children(self, base_version: str) -> builtins.list[VersionRecord]:
         """Published versions built on ``base_version``, oldest first (found through the children index)."""
         out = []
         for entry in self.list(f"{CHILDREN}/{base_version}"):
@@ -506,9 +445,9 @@ class Store:
                     out.append(record)
         return sorted(out, key=lambda r: (r.created, r.version))
 
-    def commits_after(self, version: str) -> list[CommitRecord]:
+    def commits_after(self, version: str) -> builtins.list[CommitRecord]:
         """The committed versions that follow ``version``, in order, up to the head."""
-        out: list[CommitRecord] = []
+        out: builtins.list[CommitRecord] = []
         seen = {version}
         current = version
         while (record := self.commit_on(current)) is not None:
@@ -534,7 +473,7 @@ class Store:
         obj = self.read_record(rel, CommitRecord.KIND)
         return None if obj is None else CommitRecord.from_json(obj, f"{self.url}/{rel}")
 
-    def chain(self) -> list[CommitRecord]:
+    def chain(self) -> builtins.list[CommitRecord]:
         """Committed versions in order, from the genesis baseline to the head."""
         return self.commits_after(self.genesis().version)
 
@@ -553,10 +492,9 @@ class Store:
         """Start point of the head walk: latest.json if it names a committed version, else the genesis."""
         genesis = self.genesis()
         try:
-            hint = json.loads(self.read(LATEST))
-            version = check_label(hint["version"], "version")
-            record = self.version(version)
-        except (FileNotFoundError, ValueError, KeyError, TypeError, DcrError):
+            version = self.latest_hint()
+            record = None if version is None else self.version(version)
+        except DcrError:
             return genesis
         if record is None:
             return genesis
@@ -565,49 +503,44 @@ class Store:
             return genesis
         return commit.target
 
+    def latest_hint(self) -> str | None:
+        """The version latest.json names, if it is a readable record with a valid label (never trusted alone)."""
+        try:
+            hint = load_json(self.read(LATEST, limit=MAX_RECORD_BYTES), f"{self.url}/{LATEST}")
+        except (FileNotFoundError, FormatError):
+            return None
+        version = hint.get("version") if isinstance(hint, dict) else None
+        return version if isinstance(version, str) and _LABEL.fullmatch(version) else None
+
     def manifest_bytes(self, record: VersionRecord) -> bytes:
-        """The version's manifest, checked against the digest its record names."""
-        from ..format.digest import digest_bytes
+        """The version's manifest, checked against the digest its record names (and its size before reading)."""
+        from ..format.manifest import MAX_MANIFEST_BYTES
 
         rel = f"{MANIFESTS}/{record.manifest}.json"
         try:
-            raw = self.read(rel)
+            raw = self.read(rel, limit=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise DcrError(
                 f"{self.url}: the manifest of version {record.version!r} is gone (removed by dcr gc?)"
             ) from None
         if digest_bytes(raw) != record.manifest:
-            from ..errors import IntegrityError
-
             raise IntegrityError(f"{self.url}/{rel}: manifest of version {record.version!r} is corrupt")
         return raw
 
 
-def _lost_conditional_create(exc: BaseException) -> bool:
-    """Whether a backend error means "the name exists" (HTTP 412/409 on a conditional create)."""
-    if type(exc).__name__ in ("ResourceExistsError", "PreconditionFailed"):
-        return True
-    return any(getattr(exc, attr, None) in (409, 412) for attr in ("code", "status", "status_code"))
+class StoreBlockSource(BlockSource):
+    """A store's blocks, read with the store's retries and error wrapping."""
 
+    def __init__(self, store: Store) -> None:
+        super().__init__(store.fs, store.root, label=store.url)
+        self.store = store
+        self.local = store.capabilities.local_files
 
-def _mtime(entry: dict[str, Any]) -> float | None:
-    for key in ("mtime", "LastModified", "last_modified", "created"):
-        value = entry.get(key)
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, datetime):
-            return value.timestamp()
-    return None
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        return self.store.call(fn, what)
 
+    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
+        return self.store.read_range(f"{BLOCKS}/{block.id}", start, end)
 
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def exists(self, block: BlockEntry) -> bool:
+        return self.store.exists(f"{BLOCKS}/{block.id}")

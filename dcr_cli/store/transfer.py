@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import threading
@@ -21,22 +22,39 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .._version import __version__
-from ..delta.reader import Delta
+from ..delta.reader import STORE_MANIFESTS, Delta
+from ..delta.source import BlockSource
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
-from ..format.digest import digest_bytes
+from ..format.digest import StreamingDigest, digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
 from ..io.files import fsync_dir, write_atomic
-from .repo import BLOCKS, CHILDREN, MANIFESTS, VERSIONS, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
+from ..io.reading import open_regular
+from .repo import (
+    BLOCKS,
+    CHILDREN,
+    MANIFESTS,
+    VERSIONS,
+    Listing,
+    Ref,
+    Store,
+    StoreBlockSource,
+    VersionRecord,
+    check_label,
+    dumps,
+    utc_now,
+)
 
 Progress = Callable[[int], None]  # called with bytes transferred
+Total = Callable[[int], None]  # called once, before the transfer, with the bytes it will count
 DEFAULT_WORKERS = 8
 # A present block older than this is written again by push (format_spec/store-v1.md §4.1 step 4). It
 # must stay well below dcr gc's grace period (1 h by default) minus the longest push.
 REFRESH_S = 15 * 60.0
 PULL_STATE = ".dcr-pull.json"
+T = TypeVar("T")
 
 
 class RateLimit:
@@ -59,17 +77,25 @@ class RateLimit:
             time.sleep(delay)
 
 
-def parallel(tasks: Iterable[Callable[[], None]], workers: int) -> None:
-    """Run tasks on a thread pool; the first failure cancels what has not started and is raised."""
+def parallel(tasks: Iterable[Callable[[], T]], workers: int) -> list[T]:
+    """Run tasks on a thread pool, results in order; the first failure cancels what has not started."""
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         futures = [pool.submit(task) for task in tasks]
         try:
-            for future in futures:
-                future.result()
+            return [future.result() for future in futures]
         except BaseException:
             for future in futures:
                 future.cancel()
             raise
+
+
+def stat_blocks(store: Store, blocks: list[BlockEntry], workers: int) -> dict[str, Listing | None]:
+    """Size and time of each of these blocks on the store (None: absent), asked one by one.
+
+    A push asks only about its own blocks, so its cost follows the delta, not the store.
+    """
+    found = parallel((functools.partial(store.stat, f"{BLOCKS}/{b.id}") for b in blocks), workers)
+    return {b.id: entry for b, entry in zip(blocks, found, strict=True)}
 
 
 # -- push --------------------------------------------------------------------------------------------------------------
@@ -119,6 +145,7 @@ def push(
     storage_options: dict[str, Any] | None = None,
     workers: int = DEFAULT_WORKERS,
     progress: Progress | None = None,
+    on_total: Total | None = None,
     limit_rate: float | None = None,
     allow_unsafe_publish: bool = False,
     verify_remote: bool = False,
@@ -130,7 +157,8 @@ def push(
     delta's base must be the store's committed head (the genesis for a new
     store): a delta computed against anything else is refused. Pushing a
     version that is already published with this very delta restores any of
-    its blocks the store lost, and is otherwise a no-op.
+    its blocks the store lost, and is otherwise a no-op. ``on_total`` is told
+    the bytes ``progress`` will count, before any is sent.
     """
     source = Delta.open(delta)
     manifest = source.manifest
@@ -145,6 +173,8 @@ def push(
             "(dcr diff --target-version)"
         )
     unique = list({b.id: b for b in manifest.blocks}.values())
+    if on_total is not None:
+        on_total(sum(b.size for b in unique))
 
     existing = store.version(version)
     if existing is not None and existing.manifest != source.id:
@@ -159,18 +189,17 @@ def push(
             f"({base.version}); re-run dcr diff against {base.version} (dcr status {url} --json shows it)"
         )
 
-    listing = {e.name: e for e in store.list(BLOCKS)}
-    present = {name: e.size for name, e in listing.items()}
-    missing = [b for b in unique if present.get(b.id) != b.size]
+    found = stat_blocks(store, unique, workers)
+    missing = [b for b in unique if (e := found[b.id]) is None or e.size != b.size]
     if verify_remote:
-        missing += _corrupt_on_store(store, [b for b in unique if present.get(b.id) == b.size], workers)
+        missing += _corrupt_on_store(store, [b for b in unique if b not in missing], workers)
     missing_ids = {b.id for b in missing}
     kept = [b for b in unique if b.id not in missing_ids]
     # A block the store holds already may belong to a version a concurrent dcr gc is dropping. Writing
     # it again makes it young, and gc removes a block only while it is older than its grace period
     # (checked afresh just before removing it): so no block this version needs can vanish after step 6.
     now = time.time()
-    refreshed = [] if existing is not None else [b for b in kept if _written_before(listing[b.id], now - REFRESH_S)]
+    refreshed = [] if existing is not None else [b for b in kept if _written_before(found[b.id], now - REFRESH_S)]
     limiter = RateLimit(limit_rate) if limit_rate else None
 
     def upload(block: BlockEntry) -> Callable[[], None]:
@@ -189,16 +218,14 @@ def push(
     parallel((upload(b) for b in missing), workers)
     parallel((upload(b) for b in refreshed), workers)  # progress was counted with the present blocks
 
-    raw = source.fs.cat_file(f"{source.root}/{MANIFEST_NAME}")
-    if digest_bytes(raw) != source.id:
-        raise IntegrityError(f"{delta}: manifest changed while it was being pushed")
+    raw = source.raw_manifest()  # IntegrityError if it changed while the blocks went up
     if existing is None or not store.exists(f"{MANIFESTS}/{source.id}.json"):
         store.put(f"{MANIFESTS}/{source.id}.json", raw)
 
     if existing is None:
         # Everything the record promises must be there now (a concurrent dcr gc could have removed a block).
-        present = {e.name: e.size for e in store.list(BLOCKS)}
-        lost = [b.id for b in unique if present.get(b.id) != b.size]
+        after = stat_blocks(store, unique, workers)
+        lost = [b.id for b in unique if (e := after[b.id]) is None or e.size != b.size]
         if lost:
             raise ConflictError(
                 f"{url}: block {lost[0][:16]}… vanished during the push (a concurrent dcr gc?); re-run dcr push"
@@ -229,32 +256,35 @@ def push(
     )
 
 
-def _written_before(entry: Listing, moment: float) -> bool:
-    return entry.mtime is not None and entry.mtime < moment  # gc never removes what has no time
+def _written_before(entry: Listing | None, moment: float) -> bool:
+    return entry is not None and entry.mtime is not None and entry.mtime < moment  # gc never removes what has no time
+
+
+def block_intact(source: BlockSource, block: BlockEntry) -> bool:
+    """Whether the block is at the source with its size and digest (read in bounded ranges)."""
+    try:
+        for _ in source.chunks(block):
+            pass
+    except (IntegrityError, FileNotFoundError):
+        return False
+    return True
 
 
 def _corrupt_on_store(store: Store, blocks: list[BlockEntry], workers: int) -> list[BlockEntry]:
-    corrupt: list[BlockEntry] = []
-
-    def verify(block: BlockEntry) -> Callable[[], None]:
-        def run() -> None:
-            if digest_bytes(store.read(f"{BLOCKS}/{block.id}")) != block.id:
-                corrupt.append(block)
-
-        return run
-
-    parallel((verify(b) for b in blocks), workers)
-    return corrupt
+    source = StoreBlockSource(store)
+    intact = parallel((functools.partial(block_intact, source, b) for b in blocks), workers)
+    return [b for b, ok in zip(blocks, intact, strict=True) if not ok]
 
 
 def _read_local_block(source: Delta, block: BlockEntry) -> bytes:
     try:
-        data = source.fs.cat_file(source.block_path(block))
+        return b"".join(source.source.chunks(block))  # bounded by the declared size, digest checked
     except FileNotFoundError:
-        raise IntegrityError(f"{source.url}: block {block.id[:16]}… is missing; the delta is incomplete") from None
-    if len(data) != block.size or digest_bytes(data) != block.id:
-        raise IntegrityError(f"{source.url}: block {block.id[:16]}… is corrupt; nothing corrupt was published")
-    return data
+        raise IntegrityError(f"{source.label}: block {block.id[:16]}… is missing; the delta is incomplete") from None
+    except IntegrityError:
+        raise IntegrityError(
+            f"{source.label}: block {block.id[:16]}… is corrupt; nothing corrupt was published"
+        ) from None
 
 
 # -- choosing a version ------------------------------------------------------------------------------------------------
@@ -334,18 +364,26 @@ def pull(
     storage_options: dict[str, Any] | None = None,
     workers: int = DEFAULT_WORKERS,
     progress: Progress | None = None,
+    on_total: Total | None = None,
     limit_rate: float | None = None,
     repair: bool = False,
 ) -> PullResult:
     """Download a version into the local delta directory ``out``, verifying every byte first.
 
     ``repair`` also fetches the repair blocks (only needed to repair a receiver torn by a crash).
+    ``on_total`` is told the bytes ``progress`` will count, before any is fetched.
     """
     store = Store(url, storage_options)
     store.require_marker()
     record = resolve(store, version)
+    if on_total is not None:
+        on_total(_transfer_bytes([record], repair))
     limiter = RateLimit(limit_rate) if limit_rate else None
     return _pull_record(store, record, Path(out), workers, progress, limiter, repair)
+
+
+def _transfer_bytes(records: list[VersionRecord], repair: bool) -> int:
+    return sum(r.payload_bytes + (r.repair_bytes if repair else 0) for r in records)
 
 
 def pull_since(
@@ -357,6 +395,7 @@ def pull_since(
     storage_options: dict[str, Any] | None = None,
     workers: int = DEFAULT_WORKERS,
     progress: Progress | None = None,
+    on_total: Total | None = None,
     limit_rate: float | None = None,
     repair: bool = False,
 ) -> list[PullResult]:
@@ -364,6 +403,8 @@ def pull_since(
     store = Store(url, storage_options)
     store.require_marker()
     records = chain_between(store, since, version)
+    if on_total is not None:
+        on_total(_transfer_bytes(records, repair))
     limiter = RateLimit(limit_rate) if limit_rate else None
     return [_pull_record(store, r, Path(out_dir) / r.version, workers, progress, limiter, repair) for r in records]
 
@@ -441,20 +482,31 @@ def _pull_record(
         if progress is not None:
             progress(sum(b.size for b in reused))
 
+        source = StoreBlockSource(store)
+
         def download(block: BlockEntry) -> Callable[[], None]:
             def run() -> None:
-                data = store.read(f"{BLOCKS}/{block.id}") if block.size else b""
-                if limiter is not None:
-                    limiter.take(len(data))
-                if len(data) != block.size or digest_bytes(data) != block.id:
+                tmp = blocks_dir / f".{block.id}.part-{threading.get_ident()}"
+                try:
+                    with open(tmp, "wb") as f:
+                        for chunk in source.chunks(block):  # bounded by the declared size, digest streamed
+                            if limiter is not None:
+                                limiter.take(len(chunk))
+                            f.write(chunk)
+                            if progress is not None:
+                                progress(len(chunk))
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, blocks_dir / block.id)
+                except IntegrityError:
                     raise IntegrityError(
                         f"{store.url}: block {block.id[:16]}… of version {record.version!r} is corrupt on the "
-                        "store (digest mismatch); nothing was written to the output — repair it with "
+                        "store (wrong size or digest); nothing was written to the output — repair it with "
                         "dcr push DELTA URL --verify-remote, then pull again"
-                    )
-                write_atomic(blocks_dir / block.id, data)
-                if progress is not None:
-                    progress(len(data))
+                    ) from None
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        tmp.unlink()
 
             return run
 
@@ -466,7 +518,7 @@ def _pull_record(
                 "restore it with dcr push DELTA URL, then pull again"
             ) from None
         for stray in blocks_dir.iterdir():
-            if stray.name not in {b.id for b in wanted}:
+            if stray.name not in {b.id for b in wanted}:  # includes .part files of a killed pull
                 stray.unlink()
         write_atomic(partial / MANIFEST_NAME, raw)
         fsync_dir(blocks_dir)
@@ -483,16 +535,30 @@ def _pull_record(
 
 
 def _local_block_ok(path: Path, block: BlockEntry) -> bool:
+    """Whether a block pulled earlier is intact; a damaged one is removed (it is fetched again)."""
     try:
-        if path.stat().st_size != block.size:
-            path.unlink()
-            return False
-        if digest_bytes(path.read_bytes()) != block.id:
-            path.unlink()
-            return False
+        fd = open_regular(path)
     except FileNotFoundError:
         return False
-    return True
+    except DcrError:
+        return False
+    try:
+        ok = os.fstat(fd).st_size == block.size
+        digest = StreamingDigest()
+        offset = 0
+        while ok and offset < block.size:
+            chunk = os.pread(fd, min(16 << 20, block.size - offset), offset)
+            if not chunk:
+                ok = False
+                break
+            digest.update(chunk)
+            offset += len(chunk)
+        ok = ok and digest.hexdigest() == block.id
+    finally:
+        os.close(fd)
+    if not ok:
+        path.unlink()
+    return ok
 
 
 # -- reading a version in place ----------------------------------------------------------------------------------------
@@ -501,15 +567,26 @@ def _local_block_ok(path: Path, block: BlockEntry) -> bool:
 def open_version(url: str, version: str | None = None, *, storage_options: dict[str, Any] | None = None) -> Delta:
     """Open a stored version as a Delta that reads its blocks straight from the store.
 
-    Every section read through it is checked against the manifest digests, and
-    the manifest against the digest in the version record.
+    The manifest is checked against the digest in the version record, every section against the
+    manifest. The Delta's location, ``STORE/manifests/<digest>.json``, opens the same delta again
+    with ``Delta.open`` (e.g. in a vLLM worker; credentials then come from the environment).
     """
     store = Store(url, storage_options)
     store.require_marker()
     record = resolve(store, version)
     raw = store.manifest_bytes(record)
+    manifest = parse_manifest(raw)
+    if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
+        raise IntegrityError(f"{url}: manifest of {record.version!r} does not match its version record")
+    rel = f"{STORE_MANIFESTS}/{record.manifest}.json"
     return Delta(
-        f"{url} (version {record.version})", parse_manifest(raw), record.manifest, len(raw), store.fs, store.root
+        store.path(rel) if "://" not in url else f"{url.rstrip('/')}/{rel}",
+        manifest,
+        record.manifest,
+        len(raw),
+        StoreBlockSource(store),
+        label=f"{url} (version {record.version})",
+        manifest_path=store.path(rel),
     )
 
 

@@ -1,15 +1,21 @@
-"""Retries with exponential backoff for transient store errors, and only for those.
+"""Retries with exponential backoff for transient I/O errors, and only for those.
 
 A transient error is one that the same request may not meet again: a refused
 or reset connection, a timeout, an HTTP 5xx, throttling. Everything else
 (missing object, access denied, a create-only write that lost, a digest
 mismatch) is permanent and is raised at once: retrying it would only delay the
 one-line error the user needs.
+
+This module knows only the standard library's notion of a network failure.
+What a client library raises for one (botocore, aiohttp, azure-core, ...) is
+declared by that library's store backend (``dcr_cli/store/backends.py``) and
+passed in as ``transient``.
 """
 
 from __future__ import annotations
 
 import errno
+import http.client
 import os
 import random
 import socket
@@ -20,33 +26,20 @@ from typing import TypeVar
 from ..errors import DcrError
 
 T = TypeVar("T")
+Classifier = Callable[[BaseException], bool]
 
 DEFAULT_ATTEMPTS = 5
 BASE_DELAY_S = 0.25
 MAX_DELAY_S = 8.0
 
-# Transport-level failures of the HTTP clients fsspec backends use, matched by
-# class name so that no optional client library has to be importable here.
-_TRANSIENT_CLASS_NAMES = frozenset(
-    {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ConnectTimeoutError",
-        "ReadTimeoutError",
-        "HTTPClientError",
-        "ResponseStreamingError",
-        "IncompleteReadError",
-        "IncompleteRead",
-        "ResponseParserError",
-        "FSTimeoutError",
-        "ClientConnectionError",
-        "ClientConnectorError",
-        "ServerDisconnectedError",
-        "ClientPayloadError",
-        "ClientOSError",
-    }
-)
 _PERMANENT = (DcrError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+_TRANSIENT_TYPES = (
+    ConnectionError,
+    TimeoutError,
+    socket.timeout,
+    http.client.IncompleteRead,
+    http.client.BadStatusLine,
+)
 _TRANSIENT_ERRNOS = frozenset(
     {
         errno.EBUSY,  # s3fs: 503 SlowDown / ServiceUnavailable, 409 OperationAborted
@@ -61,36 +54,25 @@ _TRANSIENT_ERRNOS = frozenset(
         errno.EREMOTEIO,  # s3fs: 500 InternalError
     }
 )
-_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout"})
 
 
-def _http_status(exc: BaseException) -> tuple[int | None, str | None]:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None, None
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    code = response.get("Error", {}).get("Code")
-    return (status if isinstance(status, int) else None), (code if isinstance(code, str) else None)
+def is_transient(exc: BaseException, transient: Classifier | None = None) -> bool:
+    """Whether the same request might succeed if sent again a little later.
 
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether the same request might succeed if sent again a little later."""
+    The exception and its causes are examined in turn; ``transient`` is the backend's own test for
+    the errors of its client library.
+    """
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if current is exc and isinstance(current, _PERMANENT):
             return False
-        if isinstance(current, (ConnectionError, TimeoutError, socket.timeout)):
-            return True
-        if any(cls.__name__ in _TRANSIENT_CLASS_NAMES for cls in type(current).__mro__):
-            return True
-        status, code = _http_status(current)
-        if status is not None and (status >= 500 or status == 429):
-            return True
-        if code in _THROTTLE_CODES:
+        if isinstance(current, _TRANSIENT_TYPES):
             return True
         if isinstance(current, OSError) and current.errno in _TRANSIENT_ERRNOS:
+            return True
+        if transient is not None and transient(current):
             return True
         current = current.__cause__ or current.__context__
     return False
@@ -116,6 +98,7 @@ def retrying(
     what: str,
     *,
     attempts: int | None = None,
+    transient: Classifier | None = None,
     sleep: Callable[[float], None] = time.sleep,
     on_retry: Callable[[int, BaseException], None] | None = None,
 ) -> T:
@@ -125,7 +108,7 @@ def retrying(
         try:
             return fn()
         except BaseException as exc:
-            if not isinstance(exc, Exception) or not is_transient(exc):
+            if not isinstance(exc, Exception) or not is_transient(exc, transient):
                 raise
             if attempt == attempts:
                 raise StoreUnavailable(
@@ -136,6 +119,16 @@ def retrying(
                 on_retry(attempt, exc)
             sleep(random.uniform(0, min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
+
+
+def calling(fn: Callable[[], T], what: str, transient: Classifier | None = None) -> T:
+    """``retrying``, and any client-library error that is not an OSError becomes one DcrError line."""
+    try:
+        return retrying(fn, what, transient=transient)
+    except (DcrError, OSError):
+        raise
+    except Exception as exc:  # client library errors (credentials, parameters...): one line, no traceback
+        raise DcrError(f"{what} failed: {describe(exc)}") from exc
 
 
 def describe(exc: BaseException) -> str:

@@ -1,0 +1,130 @@
+"""Where a delta's blocks come from: a block source reads byte ranges of content-addressed blocks.
+
+A delta directory (format_spec/delta-v1.md §3) and a dcr store (format_spec/store-v1.md §1) keep
+blocks the same way, as ``<root>/blocks/<id>``. The plain source below reads them through any
+fsspec filesystem (local files with pread, refusing anything that is not a plain file); the store
+gives its own source, which adds its retries and error wrapping (``dcr_cli/store/repo.py``).
+
+Reads are bounded by what the manifest declares: a block is fetched in ranges up to its declared
+size plus one byte, so an object larger than declared is refused after reading at most that much,
+and its digest is computed as the ranges arrive.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ..errors import IntegrityError
+from ..format.digest import StreamingDigest
+from ..format.manifest import BLOCKS_DIR, BlockEntry
+from ..io.reading import read_regular_file
+
+T = TypeVar("T")
+CHUNK_BYTES = 16 << 20  # one ranged read while a whole block is verified
+SPOOL_MEMORY_BYTES = 256 << 20  # verified remote blocks kept in memory up to this, then in a temporary directory
+
+
+class BlockSource:
+    """Blocks under ``<root>/blocks/`` of an fsspec filesystem."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, label: str | None = None) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/") or root
+        self.label = label or root
+        self.local = isinstance(fs, LocalFileSystem)
+
+    def path(self, block: BlockEntry) -> str:
+        return f"{self.root}/{BLOCKS_DIR}/{block.id}"
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """Run one read; a store's source retries transient errors here."""
+        return fn()
+
+    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of a block (fewer if the object is shorter); FileNotFoundError if absent."""
+        path = self.path(block)
+        if self.local:
+            return self.call(lambda: read_regular_file(path, start, end), f"read {path}")
+        return self.call(lambda: bytes(self.fs.cat_file(path, start=start, end=end)), f"read {path}")
+
+    def exists(self, block: BlockEntry) -> bool:
+        path = self.path(block)
+        return bool(self.call(lambda: self.fs.exists(path), f"check {path}"))
+
+    @property
+    def remote(self) -> bool:
+        """Whether reading a block costs a transfer (then a verified block is worth keeping)."""
+        return not self.local
+
+    def chunks(self, block: BlockEntry) -> Iterator[bytes]:
+        """The whole block in ranges, checked against its declared size and its id as they arrive.
+
+        Reads at most the declared size plus one byte. The block is valid only once the iterator is
+        exhausted: it raises IntegrityError (or FileNotFoundError) instead of finishing otherwise.
+        """
+        digest = StreamingDigest()
+        for lo in range(0, max(block.size, 1), CHUNK_BYTES):
+            hi = min(lo + CHUNK_BYTES, block.size)
+            last = hi == block.size
+            data = self.read(block, lo, hi + 1 if last else hi)  # one byte more: is the object longer?
+            if len(data) > hi - lo:
+                raise IntegrityError(
+                    f"block {block.id[:16]}… in {self.label} is larger than the {block.size} bytes the manifest says"
+                )
+            if len(data) < hi - lo:
+                raise IntegrityError(f"block {block.id[:16]}… in {self.label} is truncated")
+            digest.update(data)
+            yield data
+        if digest.hexdigest() != block.id:
+            raise IntegrityError(f"block {block.id[:16]}… in {self.label} is corrupt (digest mismatch)")
+
+
+class BlockSpool:
+    """Verified blocks of a remote delta, kept so that each is fetched once (memory first, then disk)."""
+
+    def __init__(self, memory_bytes: int = SPOOL_MEMORY_BYTES) -> None:
+        self.memory_bytes = memory_bytes
+        self._memory: dict[str, bytes] = {}
+        self._on_disk: set[str] = set()
+        self._held = 0
+        self._dir: str | None = None
+        self._lock = threading.Lock()
+
+    def __contains__(self, block_id: str) -> bool:
+        return block_id in self._memory or block_id in self._on_disk
+
+    def add(self, block_id: str, chunks: Iterator[bytes], size: int) -> None:
+        if size <= self.memory_bytes - self._held:
+            data = b"".join(chunks)
+            with self._lock:
+                self._memory[block_id] = data
+                self._held += len(data)
+            return
+        with self._lock:
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="dcr-blocks-")
+                weakref.finalize(self, shutil.rmtree, self._dir, True)
+            directory = self._dir
+        tmp = os.path.join(directory, f".{block_id}.part")
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, os.path.join(directory, block_id))
+        with self._lock:
+            self._on_disk.add(block_id)
+
+    def read(self, block_id: str, start: int, end: int) -> bytes:
+        data = self._memory.get(block_id)
+        if data is not None:
+            return data[start:end]
+        assert self._dir is not None
+        return read_regular_file(os.path.join(self._dir, block_id), start, end)

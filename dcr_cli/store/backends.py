@@ -1,0 +1,289 @@
+"""Store backends, keyed by fsspec protocol: what each one can do, and how (format_spec/store-v1.md §2).
+
+As in fsspec's ``registry.py``, a protocol names a small class; as in zarr's ``abc/store.py``, the
+class declares its capabilities instead of callers guessing them. A backend's client library (boto,
+aiohttp, azure-core) is imported only when one of its errors has to be recognised, and a missing
+filesystem package gives an install hint. Nothing here looks at module or class names: errors are
+recognised by the exception classes the backend's own library defines.
+
+Capabilities:
+
+* ``atomic_create``: how a create-only write is made atomic (None: it cannot be, and publishing
+  needs ``--allow-unsafe-publish``);
+* ``listing_times``: listings carry modification times (``dcr gc`` ages unreferenced objects by them);
+* ``local_files``: objects are files of this machine (writes go through a temporary name and rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+import fsspec
+
+from ..errors import DcrError
+from ..io.files import fsync_dir
+from ..io.reading import read_regular_file
+from ..io.retry import describe
+
+TMP_PREFIX = ".tmp-"  # local stores: objects being written; never a valid name of anything else
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    atomic_create: str | None
+    listing_times: bool = True
+    local_files: bool = False
+
+
+class Backend:
+    """A filesystem without atomic create: whole-object writes only (one PUT or one write)."""
+
+    protocols: ClassVar[tuple[str, ...]] = ()
+    package: ClassVar[str | None] = None  # what to pip install for this protocol
+    capabilities: ClassVar[Capabilities] = Capabilities(atomic_create=None)
+    time_keys: ClassVar[tuple[str, ...]] = ("mtime", "LastModified", "last_modified", "created")
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self.fs = fs
+
+    @property
+    def name(self) -> str:
+        return type(self.fs).__name__
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes ``start:end`` of an object (all of it by default); FileNotFoundError if it is absent."""
+        return bytes(self.fs.cat_file(path, start=start, end=end))
+
+    def put(self, path: str, data: bytes) -> None:
+        """Readers see the previous state or all of ``data``, never a part."""
+        self.fs.pipe_file(path, data)  # one PUT: object stores make it visible only when complete
+
+    def create(self, path: str, data: bytes) -> None:
+        """Create only if the name is free, else FileExistsError. Here: check, then write (not atomic)."""
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
+
+    @classmethod
+    def transient(cls, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by this backend's client library, is worth retrying."""
+        return False
+
+    def mtime(self, entry: dict[str, Any]) -> float | None:
+        for key in self.time_keys:
+            value = entry.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(value, datetime):
+                return value.timestamp()
+        return None
+
+
+class LocalBackend(Backend):
+    protocols = ("file", "local")
+    capabilities = Capabilities(atomic_create="link", local_files=True)
+    time_keys = ("mtime",)
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return read_regular_file(path, start, end)
+
+    def put(self, path: str, data: bytes) -> None:
+        tmp = self._tmp(path, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        fsync_dir(os.path.dirname(path) or ".")
+
+    def create(self, path: str, data: bytes) -> None:
+        tmp = self._tmp(path, data)
+        try:
+            os.link(tmp, path)  # atomic, fails with FileExistsError if the name is taken
+        finally:
+            _unlink_quietly(tmp)
+        fsync_dir(os.path.dirname(path) or ".")
+
+    @staticmethod
+    def _tmp(path: str, data: bytes) -> str:
+        directory, name = os.path.split(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}-{name}")
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+
+_MEMORY_LOCK = threading.Lock()  # a memory store lives in one process: a process-wide lock makes create atomic
+
+
+class MemoryBackend(Backend):
+    protocols = ("memory",)
+    capabilities = Capabilities(atomic_create="process-lock")
+    time_keys = ("created",)
+
+    def put(self, path: str, data: bytes) -> None:
+        with _MEMORY_LOCK:
+            self.fs.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+            self.fs.pipe_file(path, data)
+
+    def create(self, path: str, data: bytes) -> None:
+        with _MEMORY_LOCK:
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self.fs.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+            self.fs.pipe_file(path, data)
+
+
+def _http_transient(status: object) -> bool:
+    return isinstance(status, int) and (status >= 500 or status == 429)
+
+
+def _aiohttp_transient(exc: BaseException) -> bool:
+    try:
+        import aiohttp
+    except ImportError:
+        return False
+    return isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+
+
+class S3Backend(Backend):
+    """s3fs: conditional PUT with ``If-None-Match: *`` (``pipe_file(mode="create")``); HTTP 412 means taken."""
+
+    protocols = ("s3", "s3a")
+    package = "s3fs"
+    capabilities = Capabilities(atomic_create="if-none-match")
+    time_keys = ("LastModified", "mtime")
+    _THROTTLING = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout"})
+
+    def create(self, path: str, data: bytes) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and (
+                cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+                or cause.response.get("Error", {}).get("Code") == "PreconditionFailed"
+            ):
+                raise FileExistsError(path) from exc
+            raise
+
+    @classmethod
+    def transient(cls, exc: BaseException) -> bool:
+        from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.parsers import ResponseParserError
+
+        if isinstance(exc, (BotoConnectionError, HTTPClientError, IncompleteReadError, ResponseParserError)):
+            return True  # connection closed or reset, timeouts, a truncated response
+        if isinstance(exc, ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            # 409 ConditionalRequestConflict: a racing conditional write is in flight; asked again, S3 decides.
+            return _http_transient(status) or code in cls._THROTTLING or code == "ConditionalRequestConflict"
+        return _aiohttp_transient(exc)
+
+
+class GCSBackend(Backend):
+    """gcsfs: upload with ``ifGenerationMatch=0`` (``pipe_file(mode="create")``); 412 arrives as FileExistsError."""
+
+    protocols = ("gs", "gcs")
+    package = "gcsfs"
+    capabilities = Capabilities(atomic_create="if-generation-match")
+    time_keys = ("mtime",)
+
+    def create(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data, mode="create")
+
+    @classmethod
+    def transient(cls, exc: BaseException) -> bool:
+        from gcsfs.retry import HttpError
+
+        if isinstance(exc, HttpError):
+            return _http_transient(exc.code)
+        return _aiohttp_transient(exc)
+
+
+class AzureBackend(Backend):
+    """adlfs: ``upload_blob(overwrite=False)``, i.e. ``If-None-Match: *``; 409 means taken."""
+
+    protocols = ("az", "abfs", "abfss")
+    package = "adlfs"
+    capabilities = Capabilities(atomic_create="azure-if-none-match")
+    time_keys = ("last_modified", "mtime")
+
+    def create(self, path: str, data: bytes) -> None:
+        from azure.core.exceptions import ResourceExistsError
+
+        try:
+            self.fs.pipe_file(path, data, overwrite=False)
+        except ResourceExistsError as exc:
+            raise FileExistsError(path) from exc
+
+    @classmethod
+    def transient(cls, exc: BaseException) -> bool:
+        from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
+
+        if isinstance(exc, (ServiceRequestError, ServiceResponseError)):
+            return True
+        if isinstance(exc, HttpResponseError):
+            return _http_transient(exc.status_code)
+        return _aiohttp_transient(exc)
+
+
+_REGISTRY: dict[str, type[Backend]] = {}
+
+
+def register(cls: type[Backend]) -> type[Backend]:
+    """Make ``cls`` the backend of each of its protocols (usable as a class decorator)."""
+    for protocol in cls.protocols:
+        _REGISTRY[protocol] = cls
+    return cls
+
+
+for _cls in (LocalBackend, MemoryBackend, S3Backend, GCSBackend, AzureBackend):
+    register(_cls)
+
+
+def backend_class(protocol: str) -> type[Backend]:
+    return _REGISTRY.get(protocol, Backend)
+
+
+def backend_for(fs: fsspec.AbstractFileSystem) -> Backend:
+    """The backend of a filesystem, by the protocols its class declares (a generic one if none is known)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    for protocol in protocols:
+        if protocol in _REGISTRY:
+            return _REGISTRY[protocol](fs)
+    return Backend(fs)
+
+
+def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Backend, str]:
+    """(backend, root path) of a store URL; a missing client package says what to install."""
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        package = backend_class(protocol).package
+        hint = f"pip install {package}" if package else describe(exc)
+        raise DcrError(f"cannot open {url}: {protocol}:// needs a package that is not installed ({hint})") from None
+    except ValueError as exc:
+        raise DcrError(f"cannot open {url}: {describe(exc)}") from None
+    return backend_for(fs), root
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
