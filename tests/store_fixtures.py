@@ -6,11 +6,14 @@ Import with ``from store_fixtures import *`` from a test module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -241,14 +244,17 @@ def make_deltas(tmp: Path, steps: int, *, seed: int = 0, size: int = 4096) -> tu
     return ckpts, deltas
 
 
-def big_delta(tmp: Path, name: str = "big", *, tensors: int = 16, elements: int = 4096) -> Path:
-    """A delta v0 -> v1 with one data and one repair block per tensor (all elements change), ~0.5 MiB in all."""
+def big_delta(tmp: Path, name: str = "big", *, tensors: int = 16, elements: int = 4096, sparse: bool = False) -> Path:
+    """A delta v0 -> v1 with one block per tensor (all elements change), ~0.5 MiB in all.
+
+    ``sparse``: 5% of the elements change instead, so that every item is an XOR with a repair section
+    (one data and one repair block per tensor)."""
     from dcr_cli.delta.writer import DeltaWriter
     from dcr_cli.produce import diff
 
     rng = np.random.default_rng(7)
     base = {f"w{i:03d}": rng.standard_normal(elements).astype(np.float32) for i in range(tensors)}
-    new = {k: rng.standard_normal(elements).astype(np.float32) for k in base}
+    new = step(base, 11) if sparse else {k: rng.standard_normal(elements).astype(np.float32) for k in base}
     block_bytes = 1024  # every item closes its block: many blocks, so a kill lands mid-transfer
     c0 = write_checkpoint(tmp / f"{name}-c0", base)
     c1 = write_checkpoint(tmp / f"{name}-c1", new)
@@ -265,3 +271,70 @@ def big_delta(tmp: Path, name: str = "big", *, tensors: int = 16, elements: int 
 
 def delta_files(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+class CountingProxy:
+    """A TCP proxy in front of an HTTP endpoint that counts, per object key, requests and response bytes.
+
+    HTTP/1.1 clients send one request at a time on a connection, so the bytes coming back on a
+    connection belong to the last request line sent on it. Counts include response headers.
+    """
+
+    _REQUEST = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) (/[^ ?]*)[^ ]* HTTP/1\.1\r\n")
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = {}  # (method, path) -> count
+        self.received: dict[str, int] = {}  # path -> response bytes
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(64)
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            current = [""]
+            threading.Thread(target=self._pump, args=(conn, up, current, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, conn, current, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, current: list[str], upstream: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                with self.lock:
+                    if upstream:
+                        for method, path in self._REQUEST.findall(data):
+                            current[0] = path.decode()
+                            key = (method.decode(), current[0])
+                            self.requests[key] = self.requests.get(key, 0) + 1
+                    else:
+                        self.received[current[0]] = self.received.get(current[0], 0) + len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def bytes_for(self, suffix: str) -> int:
+        with self.lock:
+            return sum(n for path, n in self.received.items() if path.endswith(suffix))
+
+    def requests_for(self, suffix: str) -> int:
+        with self.lock:
+            return sum(n for (_, path), n in self.requests.items() if path.endswith(suffix))
+
+    def total_bytes(self) -> int:
+        with self.lock:
+            return sum(self.received.values())
+
+    def close(self) -> None:
+        self.server.close()

@@ -485,3 +485,53 @@ def test_base_label_that_is_a_path_cannot_escape_the_store(tmp_path: Path) -> No
     (tmp_path / "sub" / "store" / "dcr-store.json").write_text(json.dumps(marker))
     with pytest.raises(DcrError, match="not a valid label"):
         status(url)
+
+
+def test_gc_running_longer_than_its_grace_period_keeps_what_a_push_published_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc computed its live set once: a push publishing during a gc longer than the grace period lost blocks.
+
+    v1: A->B and v3: A->B share their blocks; v2: B->A drops v1 at gc --keep 1. v3 is pushed (refreshing
+    v1's old blocks) after gc listed the blocks, and gc then runs on past the grace period.
+    """
+    import os
+    import time
+
+    from store_fixtures import base_tensors, step, write_checkpoint
+
+    from dcr_cli.produce import diff
+    from dcr_cli.store import repo
+
+    a = base_tensors(3)
+    ca, cb = write_checkpoint(tmp_path / "A", a), write_checkpoint(tmp_path / "B", step(a, 4))
+    ds = []
+    for i, (x, y) in enumerate([(ca, cb), (cb, ca), (ca, cb)], start=1):
+        diff(x, y, tmp_path / f"d{i}", base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
+        ds.append(tmp_path / f"d{i}")
+    url = str(tmp_path / "store")
+    _publish_chain(url, ds[:2])
+    grace = 2.0
+    long_ago = time.time() - 7200
+    for block in (tmp_path / "store" / "blocks").iterdir():
+        os.utime(block, (long_ago, long_ago))
+
+    listing = repo.Store.list
+    pushed: list[str] = []
+
+    def list_then_push_then_wait(self: repo.Store, rel_dir: str) -> list[repo.Listing]:
+        entries = listing(self, rel_dir)
+        if rel_dir == repo.BLOCKS and not pushed:
+            pushed.append(push(ds[2], url).version)  # refreshes the old blocks it reuses...
+            time.sleep(grace + 1)  # ...and gc goes on for longer than its grace period
+        return entries
+
+    monkeypatch.setattr(repo.Store, "list", list_then_push_then_wait)
+    result = gc(url, keep=1, grace_s=grace)
+    monkeypatch.undo()
+    assert pushed == ["v3"]
+    v3_blocks = {b.id for b in Delta.open(ds[2]).manifest.blocks}
+    assert v3_blocks <= {p.name for p in (tmp_path / "store" / "blocks").iterdir()}
+    live_blocks = {b.id for b in Delta.open(ds[1]).manifest.blocks} | v3_blocks
+    assert result.removed_blocks == 0 and result.kept_blocks == len(live_blocks)  # v1's own blocks are v3's
+    assert check(url, read_data=True).ok

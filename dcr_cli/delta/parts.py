@@ -32,7 +32,9 @@ from ..format.manifest import (
     fingerprint,
     parse_manifest,
 )
+from ..format.strict_json import load_json
 from ..io.files import fsync_dir, write_atomic
+from ..io.reading import read_regular_file
 from .writer import DeltaWriter
 
 PARTS_DIR = "parts"
@@ -87,18 +89,40 @@ def complete_parts(out: str | os.PathLike[str]) -> tuple[int, list[Path]] | None
 
 
 def try_assemble_last(out: str | os.PathLike[str]) -> Manifest | None:
-    """Called by each producer after writing its part: the one that sees all parts (and wins the lock) assembles."""
-    if complete_parts(out) is None:
-        return None
+    """Called by each producer after writing its part: the one that sees all parts (and wins the lock) assembles.
+
+    A producer that finds the delta assembled already (another rank finished at the same moment and
+    won) gets that delta's manifest: the same parts make the same delta, so both succeed.
+    """
+    if (assembled := _assembled(out)) is not None:
+        return assembled
+    try:
+        if complete_parts(out) is None:
+            return None
+    except FormatError:
+        if (assembled := _assembled(out)) is not None:
+            return assembled  # the winner removed the parts while this rank read them
+        raise
     try:
         fd = os.open(Path(out) / LOCK_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return None  # another producer is assembling
     os.close(fd)
     try:
+        if (assembled := _assembled(out)) is not None:
+            return assembled  # it finished between our look at the parts and our lock
         return assemble(out)
     finally:
         (Path(out) / LOCK_NAME).unlink(missing_ok=True)  # a failed assembly can be re-run (dcr assemble)
+
+
+def _assembled(out: str | os.PathLike[str]) -> Manifest | None:
+    """The manifest of the delta at ``out`` if it is assembled already, else None."""
+    if not (Path(out) / MANIFEST_NAME).is_file():
+        return None
+    from .reader import Delta
+
+    return Delta.open(out).manifest
 
 
 # Top-level fields of part.json and the JSON types assembly relies on.
@@ -117,9 +141,10 @@ def _load_part(path: Path) -> dict[str, Any]:
     """Read and check one part.json: a truncated or foreign file is a FormatError, never a KeyError."""
     file = path / PART_NAME
     try:
-        obj = json.loads(file.read_bytes())
-    except (OSError, ValueError) as exc:
+        raw = read_regular_file(file)
+    except OSError as exc:
         raise FormatError(f"{file} is unreadable ({exc.__class__.__name__}); rerun that rank") from None
+    obj = load_json(raw, str(file))
     if not isinstance(obj, dict):
         raise FormatError(f"{file} is not a dcr delta part")
     version = obj.get("format_version")
@@ -166,11 +191,11 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
     base_digests: dict[str, str] = {}
     target_digests: dict[str, str] = {}
     for o in objs:
-        for src, dst in ((o["base_digests"], base_digests), (o["target_digests"], target_digests)):
-            for name, digest in src.items():
-                if name in dst:
+        for given, table in ((o["base_digests"], base_digests), (o["target_digests"], target_digests)):
+            for name, digest in given.items():
+                if name in table:
                     raise FormatError(f"{out}: tensor {name!r} was digested by two parts")
-                dst[name] = digest
+                table[name] = digest
     missing = sorted(set(layout) - set(target_digests)) or sorted(set(layout) - set(base_digests))
     if missing:
         raise FormatError(f"{out}: no part digested tensor {missing[0]!r} ({len(missing)} such)")

@@ -143,6 +143,7 @@ class DeltaWriter:
         """Write the directory's index file (manifest, or a producer's part) last, then rename into place."""
         write_atomic(self._tmp / file_name, data)
         fsync_dir(self._tmp / BLOCKS_DIR)
+        fsync_dir(self._tmp)  # the index file's rename into the directory, before the directory's own rename
         if self.out.exists():
             self.out.rmdir()  # empty, checked in __init__
         os.replace(self._tmp, self.out)

@@ -1,23 +1,29 @@
-"""``dcr gc``: remove what no live version needs.
+"""``dcr gc``: remove what no live version needs (format_spec/store-v1.md §4.4).
 
-Live versions are the newest ``keep`` committed versions and every pending
-version (published on the committed head). A block survives if any live
-manifest lists it. Objects not referenced by a published version may belong
-to a push still in progress, so they are removed only once older than a grace
-period.
+Invariant: every published version that gc has not dropped keeps its manifest and every block
+its manifest lists. gc drops, once at its start, the versions that are neither among the newest
+``keep`` committed ones nor pending. Everything else follows from the invariant:
+
+* the live set is read again before each batch of deletions, so a version published while gc
+  runs (however long it runs) protects its blocks from the next batch on;
+* an object no published version references may belong to a push in progress: it is removed only
+  once older than the grace period, asked afresh just before removing it (a push refreshes old
+  blocks it reuses, and checks that all of its blocks are present before it publishes).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import DcrError
 from ..format.manifest import parse_manifest
-from .repo import BLOCKS, MANIFESTS, Listing, Store, VersionRecord
+from .repo import BLOCKS, MANIFESTS, VERSIONS, Listing, Store, VersionRecord
 
 DEFAULT_GRACE_S = 3600.0
+BATCH = 256  # deletions between two reads of the live set
 
 
 @dataclass
@@ -51,14 +57,33 @@ def live_versions(store: Store, keep: int) -> tuple[list[VersionRecord], list[Ve
     return live, dropped
 
 
-def referenced_blocks(store: Store, records: list[VersionRecord]) -> dict[str, int]:
-    """Block id -> size for every block the given versions' manifests list. Unreadable manifests abort."""
-    out: dict[str, int] = {}
-    for record in records:
-        manifest = parse_manifest(store.manifest_bytes(record))
-        for block in manifest.blocks:
-            out[block.id] = block.size
-    return out
+class LiveSet:
+    """Blocks that versions gc did not drop need, read again on request (new records join it)."""
+
+    def __init__(self, store: Store, dropped: Iterable[VersionRecord]) -> None:
+        self.store = store
+        self.dropped = {r.version for r in dropped}
+        self.read: set[str] = set()  # versions whose manifests are counted
+        self.blocks: dict[str, int] = {}
+
+    def refresh(self) -> None:
+        """Count every published version not dropped (an unreadable manifest of one aborts gc)."""
+        names = [e.name[: -len(".json")] for e in self.store.list(VERSIONS) if e.name.endswith(".json")]
+        for name in names:
+            if name in self.dropped or name in self.read:
+                continue
+            record = self.store.version(name)
+            if record is None:
+                continue
+            if not self.store.exists(f"{MANIFESTS}/{record.manifest}.json"):
+                self.read.add(name)  # removed by an earlier gc: the version is unavailable, it needs nothing
+                continue
+            for block in parse_manifest(self.store.manifest_bytes(record)).blocks:
+                self.blocks[block.id] = block.size
+            self.read.add(name)
+
+    def needs(self, block_id: str) -> bool:
+        return block_id in self.blocks
 
 
 def gc(
@@ -72,7 +97,8 @@ def gc(
     store = Store(url, storage_options)
     store.require_marker()
     live, dropped = live_versions(store, keep)
-    needed = referenced_blocks(store, live)
+    needed = LiveSet(store, dropped)
+    needed.refresh()
     live_manifests = {f"{r.manifest}.json" for r in live}
     now = time.time()
 
@@ -97,17 +123,26 @@ def gc(
                 store.delete(f"{MANIFESTS}/{entry.name}")
         else:
             young += 1
+    batch = 0  # deletions since the live set was last read
     for entry in store.list(BLOCKS):
-        if entry.name in needed:
+        if needed.needs(entry.name):
             kept_blocks += 1
             kept_bytes += entry.size
-        elif old(entry, BLOCKS):  # includes local .tmp-* leftovers of killed uploads
-            removed_blocks += 1
-            removed_bytes += entry.size
-            if not dry_run:
-                store.delete(f"{BLOCKS}/{entry.name}")
-        else:
+            continue
+        if not old(entry, BLOCKS):  # includes local .tmp-* leftovers of killed uploads once old
             young += 1
+            continue
+        if not dry_run:
+            if batch == 0:
+                needed.refresh()  # a version published meanwhile protects its blocks from this batch on
+            if needed.needs(entry.name):
+                kept_blocks += 1
+                kept_bytes += entry.size
+                continue
+            store.delete(f"{BLOCKS}/{entry.name}")
+            batch = (batch + 1) % BATCH
+        removed_blocks += 1
+        removed_bytes += entry.size
     return GcResult(
         store=url,
         live_versions=sorted(r.version for r in live),
