@@ -2,14 +2,14 @@
 
 * ``state``: ``.dcr/state.json``, ``.dcr/table.json`` and the lock;
 * ``inplace``: pread/pwrite of tensor elements, digests of tensors;
-* ``apply``: checks, the first pass, the writes and the proof, per delta of a chain.
+* ``applier``: checks, the first pass, the writes and the proof, per delta of a chain.
 
 The item logic shared with the vLLM receiver is in ``receive/plan.py``.
 """
 
 from __future__ import annotations
 
-from .apply import ApplyResult, StepResult, apply, expand_deltas
+from .applier import ApplyResult, StepResult, apply, expand_deltas
 from .state import ReceiverState, file_stats, read_recorded_table, read_state, write_state
 
 __all__ = [
