@@ -8,8 +8,10 @@ pattern RL fine-tuning produces in BF16: sparse and scattered). Then:
 
 * apply:  the receiver holds v0 with its recorded state (as a previous apply
   leaves it); time ``dcr_cli.apply(delta, into=receiver)``, which includes
-  all checks (block digests), per-item classification, the in-place writes,
-  msync/fsync of the files and the atomic state update.
+  all checks (block digests, the first pass that decodes and classifies every
+  item), the in-place writes (pwrite), fsync of the files, the proof (the
+  touched tensors read back and compared with the target table) and the
+  atomic state update. The proof's share is printed as a ratio.
 * dense refit: write the full v1 checkpoint (``safetensors.torch.save_file`` of
   the tensors already in memory, as a trainer would) and fsync it.
 * the same two without durability (page cache only), for the CPU side.
@@ -42,6 +44,8 @@ import dcr_cli
 from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.produce import diff
 from dcr_cli.receive import checkpoint as receiver
+from dcr_cli.receive.checkpoint import inplace
+from dcr_cli.receive.checkpoint.state import write_recorded_table
 
 
 def model_tensors(size_mb: int, rng: np.random.Generator) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
@@ -155,10 +159,18 @@ def main() -> None:
             with SafetensorsCheckpoint(recv) as ckpt:
                 stats = receiver.file_stats(recv, ckpt)
             receiver.write_state(recv, receiver.ReceiverState("v0", manifest.base.fingerprint, None, stats))
+            write_recorded_table(recv, base_table)
+
+        from dcr_cli.format.digest import digest_bytes
+        from dcr_cli.format.manifest import TensorEntry
+
+        base_table = {n: TensorEntry(dt, s, digest_bytes(v)) for n, (dt, s, v) in t0.items()}
+        proofs: list[tuple[float, float]] = []  # (proof seconds, apply seconds) of each measured apply
 
         def apply() -> None:
             result = dcr_cli.apply(delta, into=recv)
             assert result.steps and result.steps[0].applied == len(manifest.items)
+            proofs.append((result.steps[0].proof_seconds, result.steps[0].seconds))
 
         dense_dir = work / "dense"
 
@@ -184,12 +196,12 @@ def main() -> None:
         dense_cpu = CPU_SECONDS[id(dense_durable)]
 
         # Without durability: the same work, minus waiting for the disk.
-        real_sync = receiver.WritableTensors.sync
-        receiver.WritableTensors.sync = lambda self: None  # type: ignore[method-assign]
+        real_sync = inplace.InPlaceFiles.sync
+        inplace.InPlaceFiles.sync = lambda self: None  # type: ignore[method-assign]
         try:
             apply_cache_s = median_time(apply, reset_receiver, args.repeats)
         finally:
-            receiver.WritableTensors.sync = real_sync  # type: ignore[method-assign]
+            inplace.InPlaceFiles.sync = real_sync  # type: ignore[method-assign]
         apply_cache_cpu = CPU_SECONDS[id(apply)]
         dense_cached = dense(False)
         dense_cache_s = median_time(dense_cached, clear_dense, args.repeats)
@@ -223,12 +235,16 @@ def main() -> None:
         def ratio(label: str, a: float, b: float, a_cpu: float, b_cpu: float) -> str:
             return f"  ratio {label:<34} {a / b:8.3f}x wall {'':13} {a_cpu / b_cpu:8.3f}x CPU"
 
-        print(line("apply (durable: msync+fsync, state)", apply_s, apply_cpu))
+        print(line("apply (durable: fsync, proof, state)", apply_s, apply_cpu))
         print(line("dense refit (save_file + fsync)", dense_s, dense_cpu))
         print(ratio("apply / dense (durable)", apply_s, dense_s, apply_cpu, dense_cpu))
         print(line("apply (page cache, no fsync)", apply_cache_s, apply_cache_cpu))
         print(line("dense refit (save_file, no fsync)", dense_cache_s, dense_cache_cpu))
         print(ratio("apply / dense (page cache)", apply_cache_s, dense_cache_s, apply_cache_cpu, dense_cache_cpu))
+        proof_s = statistics.median(p for p, _ in proofs)
+        step_s = statistics.median(a for _, a in proofs)
+        print(f"  proof (read back touched tensors)        {proof_s * 1e3:8.1f} ms wall")
+        print(f"  ratio proof / apply step                 {proof_s / step_s:8.3f}x wall")
         print(line("verify (digest every tensor)", verify_s, verify_cpu))
         print(line("plain read of the same files", read_s, read_cpu))
         print(ratio("verify / plain read", verify_s, read_s, verify_cpu, read_cpu))

@@ -16,8 +16,8 @@ _API = {
     "assemble": "delta.parts",
     "inspect": "delta.inspect",
     # receivers
-    "apply": "receive.checkpoint",
-    "verify": "receive.verify",
+    "apply": "api",
+    "verify": "api",
     "apply_to_llm": "receive.vllm",
     "verify_llm": "receive.vllm",
     "apply_to_server": "receive.vllm",

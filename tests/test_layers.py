@@ -141,7 +141,7 @@ def test_no_import_cycles() -> None:
     ("source", "expected"),
     [
         ("from ..store import push\n", "dcr_cli.store"),
-        ("def f():\n    from ..receive.checkpoint import apply\n", "dcr_cli.receive.checkpoint"),
+        ("def f():\n    from ..receive.checkpoint import read_state\n", "dcr_cli.receive.checkpoint"),
     ],
 )
 def test_checker_sees_relative_and_lazy_imports(tmp_path: Path, source: str, expected: str) -> None:

@@ -50,3 +50,48 @@ def _general(dest: Destination, canonical: np.ndarray) -> tuple[np.ndarray, np.n
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Destination, "contiguous", property(lambda self: False))
         return dest.locate(canonical)
+
+
+def _widening(dst: torch.dtype, n: int) -> Destination:
+    return Destination("w", dst, 0, (n,), (1,), 0, (n,), (1,))
+
+
+# BF16 bit patterns a float cast would not carry back: NaN payloads (quiet, signalling, negative), ±0, ±inf.
+BF16_SPECIALS = [0x7FC1, 0xFFFF, 0x7F81, 0xFF80 | 0x1, 0x7FC0, 0x0000, 0x8000, 0x7F80, 0xFF80, 0x3F80, 0x0001]
+
+
+def test_nan_payloads_survive_reading_bf16_back_from_an_fp32_engine() -> None:
+    from dcr_cli.receive.vllm.apply import _to_canonical
+
+    bits = np.array(BF16_SPECIALS, dtype=np.uint16)
+    held = torch.from_numpy((bits.astype(np.uint32) << 16).view(np.int32))  # what the loader's widening holds
+    back = _to_canonical(held, _widening(torch.float32, len(bits)), torch.bfloat16)
+    assert back.dtype == torch.int16
+    assert back.numpy().view(np.uint16).tolist() == bits.tolist()
+    # The loader's own cast (torch's BF16 -> F32 copy_) is read back exactly too.
+    loaded = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(torch.float32).view(torch.int32)
+    assert (
+        _to_canonical(loaded, _widening(torch.float32, len(bits)), torch.bfloat16).numpy().view(np.uint16).tolist()
+        == bits.tolist()
+    )
+
+
+def test_values_no_bf16_widens_to_are_refused() -> None:
+    from dcr_cli.errors import IntegrityError
+    from dcr_cli.receive.vllm.apply import _to_canonical
+
+    for pattern in (0x7FC00001, 0x3F800001):  # a NaN and a number with low bits a widening never sets
+        held = torch.tensor([pattern], dtype=torch.int64).to(torch.int32)
+        with pytest.raises(IntegrityError, match="widens to"):
+            _to_canonical(held, _widening(torch.float32, 1), torch.bfloat16)
+
+
+def test_fp16_in_an_fp32_engine_round_trips_every_number() -> None:
+    from dcr_cli.receive.vllm.apply import _to_canonical
+
+    bits = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16)
+    exponent, mantissa = (bits >> 10) & 0x1F, bits & 0x3FF
+    numbers = bits[~((exponent == 0x1F) & (mantissa != 0))]  # every F16 value but NaN
+    held = torch.from_numpy(numbers.view(np.int16)).view(torch.float16).to(torch.float32).view(torch.int32)
+    back = _to_canonical(held, _widening(torch.float32, len(numbers)), torch.float16)
+    assert np.array_equal(back.numpy().view(np.uint16), numbers)

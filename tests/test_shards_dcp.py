@@ -162,9 +162,9 @@ def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates
 ) -> None:
     import shutil
 
-    from dcr_cli.produce import shards as shard_diff
     from dcr_cli.checkpoints import open_source
     from dcr_cli.checkpoints.shards import ShardCheckpoint
+    from dcr_cli.produce import shards as shard_diff
 
     monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
     base, target = tmp_path / "base", tmp_path / "target"

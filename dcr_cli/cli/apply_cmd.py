@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from ..errors import DcrError
@@ -47,40 +45,28 @@ def command(
     deltas are applied as a chain, ordered from the receiver's version; ones already applied are
     skipped. After a crash or a failed write, re-run the same command: it finishes bit-exactly.
     """
-    from ..receive.checkpoint import apply
-    from ..store import acknowledge, is_store, open_delta
+    from ..api import apply
 
     if bool(into) == bool(vllm_url):
         raise DcrError("give exactly one receiver: --into CHECKPOINT_DIR or --vllm URL")
-    if bool(ack_url) != bool(receiver):
-        raise DcrError("--ack URL and --receiver NAME go together")
     options = parse_storage_options(storage_option)
     if vllm_url:
-        if version is not None or any(is_store(d, options) for d in deltas):
+        if version is not None:
             raise DcrError("with --vllm, pass delta directories the engine can read (dcr pull a store's version first)")
-        # The engine's workers open the deltas themselves: make local paths absolute.
-        steps = apply_vllm(tuple(os.path.abspath(d) if "://" not in d else d for d in deltas), vllm_url, as_json)
-        if ack_url and receiver:
-            acknowledge(
-                ack_url, steps.target.version, receiver, fingerprint=steps.target.fingerprint, storage_options=options
-            )
-            if not as_json:
-                click.echo(f"acknowledged {steps.target.version} as {receiver!r} on {ack_url}")
+        apply_vllm(deltas, vllm_url, ack_url, receiver, options, as_json)
         return
     assert into is not None
-    # Store URLs resolve to one of their versions; anything else is a delta (or a directory of them).
-    opened = [open_delta(d, version, storage_options=options) if is_store(d, options) else d for d in deltas]
-    if version is not None and all(isinstance(d, str) for d in opened):
-        raise DcrError("--version applies to store URLs only")
     result = apply(
-        opened,
+        deltas,
         into=into,
+        version=version,
+        ack=ack_url,
+        receiver=receiver,
+        storage_options=options,
         workers=workers,
         verify=verify_after,
         log=None if as_json else click.echo,
     )
-    if ack_url and receiver:
-        acknowledge(ack_url, result.version, receiver, fingerprint=result.fingerprint, storage_options=options)
     if as_json:
         emit_json(result.to_json())
     else:

@@ -1,7 +1,7 @@
 """``dcr verify``: prove that a checkpoint directory holds exactly the target bits.
 
-Every tensor is digested (BLAKE3 of its stored bytes, straight from the page
-cache through a read-only memory map), changed or not, and compared with a
+Every tensor is digested (BLAKE3 of its stored bytes, read with pread in bounded chunks),
+changed or not, and compared with a
 tensor table: a delta's target table, or the table a receiver recorded when it
 last reached a version (format_spec/receiver-checkpoint.md §5).
 """
@@ -10,30 +10,17 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
-from ..errors import IncompatibleError, IntegrityError
-from ..format.digest import digest_bytes
+from ..delta.reader import Delta
+from ..errors import IncompatibleError
 from ..format.manifest import TensorEntry, fingerprint
-from ..io.pool import default_workers, ordered_parallel
-
-
-def digest_tensors(ckpt: SafetensorsCheckpoint, workers: int | None = None) -> dict[str, TensorEntry]:
-    """The checkpoint's tensor table: dtype, shape and digest of every tensor, sorted by name.
-
-    Large tensors are hashed by BLAKE3's own thread pool; the many small ones
-    are spread over a thread pool of our own (BLAKE3 releases the GIL).
-    """
-    names = sorted(ckpt.tensors, key=lambda n: -ckpt.tensors[n].nbytes)
-
-    def task(name: str) -> Callable[[], tuple[str, str]]:
-        return lambda: (name, digest_bytes(ckpt.view(name)))
-
-    digests = dict(ordered_parallel((task(n) for n in names), workers or default_workers()))
-    return ckpt.tensor_table(digests)
+from ..io.pool import default_workers
+from . import plan as receiver_plan
+from .checkpoint.inplace import InPlaceFiles, digest_tensors
+from .checkpoint.state import read_recorded_table, read_state
 
 
 @dataclass
@@ -73,7 +60,9 @@ class VerifyReport:
             ("dtype/shape differs", self.layout),
         ):
             if names:
-                shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
+                shown = ", ".join(receiver_plan.quote(n) for n in names[:8]) + (
+                    f", … ({len(names)} in all)" if len(names) > 8 else ""
+                )
                 parts.append(f"{label}: {shown}")
         return f"{self.checkpoint}: MISMATCH against {self.against}; " + "; ".join(parts)
 
@@ -95,32 +84,24 @@ def compare_tables(
 def verify(
     checkpoint: str | os.PathLike[str],
     *,
-    against: str | os.PathLike[str] | None = None,
+    against: str | os.PathLike[str] | Delta | None = None,
     workers: int | None = None,
 ) -> VerifyReport:
     """Digest every tensor of ``checkpoint`` and compare with the expected table.
 
-    ``against`` is a delta (path or URL) whose target table is expected. Without
+    ``against`` is a delta (path, URL or :class:`Delta`) whose target table is expected. Without
     it, the table recorded in CKPT/.dcr by the last ``dcr apply`` is expected.
     Returns a report; it raises only when there is nothing to compare with.
     """
-    from .checkpoint import read_recorded_table, read_state
-
     root = Path(checkpoint)
     if not root.is_dir():
         raise IncompatibleError(f"{root} is not a checkpoint directory")
     if against is not None:
-        from ..delta.reader import Delta
-
-        delta = Delta.open(against)
+        delta = against if isinstance(against, Delta) else Delta.open(against)
+        receiver_plan.check_table(delta.manifest, f"{delta.url} (nothing to verify against: fetch it again)")
         expected = delta.manifest.tensors
-        if fingerprint(expected) != delta.manifest.target.fingerprint:
-            raise IntegrityError(
-                f"{against}: manifest tensor table does not match its target fingerprint (tampered?); "
-                "nothing to verify against — fetch the delta again"
-            )
         expected_version: str | None = delta.manifest.target.version
-        label = str(against)
+        label = delta.url
     else:
         state = read_state(root)
         if state is not None and state.applying is not None:
@@ -137,8 +118,8 @@ def verify(
             raise IncompatibleError(f"{root}/.dcr holds no tensor table for its version; pass --against DELTA")
         expected, expected_version, label = recorded, state.version, "state"
     started = time.perf_counter()
-    with SafetensorsCheckpoint(root) as ckpt:
-        actual = digest_tensors(ckpt, workers)
+    with SafetensorsCheckpoint(root) as ckpt, InPlaceFiles(dict(ckpt.tensors)) as files:
+        actual = digest_tensors(files, workers or default_workers())
         nbytes = sum(t.nbytes for t in ckpt.tensors.values())
     seconds = time.perf_counter() - started
     mismatched, missing, unexpected, layout = compare_tables(expected, actual)

@@ -30,9 +30,10 @@ import torch
 
 from ...delta.reader import Delta
 from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
-from ...format.codec import DecodedItem, apply_values
+from ...format.codec import DecodedItem
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
+from .. import plan as receiver_plan
 from .placement import (
     TORCH_DTYPES,
     Destination,
@@ -58,12 +59,18 @@ class EngineState:
 
     version: str | None = None
     fingerprint: str | None = None
-    applying: dict[str, str] | None = None  # {"delta_id", "target"} while an apply is unfinished
-    table: dict[str, dict] = field(default_factory=dict)  # target tensor table of the last apply
+    # While an apply is unfinished: {"delta_id", "base": {version, fingerprint}, "target": {...}}.
+    applying: dict[str, Any] | None = None
+    table: dict[str, dict] = field(default_factory=dict)  # tensor table of ``fingerprint`` (when known)
+
+    def held_table(self) -> dict[str, TensorEntry] | None:
+        """The table of the version held, where dcr knows it (proven by a read-back or an apply)."""
+        table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in self.table.items()}
+        return table if table and fingerprint(table) == self.fingerprint else None
 
     def to_json(self) -> dict:
         # Not asdict(): that would deep-copy the whole tensor table only to drop it.
-        applying = dict(self.applying) if self.applying is not None else None
+        applying = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (self.applying or {}).items()} or None
         return {"version": self.version, "fingerprint": self.fingerprint, "applying": applying}
 
 
@@ -118,15 +125,18 @@ class Located:
     def write_where_different(self, want: torch.Tensor) -> int:
         """Write ``want`` (CPU, the storage's integer dtype) at ``index`` where the bits differ; count them."""
         if self.flat.device.type == "cpu":
-            flat, index, values = self.flat.numpy(), self.index, want.numpy()
-            differs = flat[index] != values
-        else:
-            flat, index = self.flat, torch.from_numpy(self.index).to(self.flat.device)
-            values = want.to(self.flat.device)
-            differs = flat[index] != values
-        count = int(differs.sum())
+            flat, values = self.flat.numpy(), want.numpy()
+            differs = flat[self.index] != values
+            count = int(differs.sum())
+            if count:
+                _write_elements(flat, self.index[differs], values[differs])
+            return count
+        index = torch.from_numpy(self.index).to(self.flat.device)
+        on_device = want.to(self.flat.device)
+        changed = self.flat[index] != on_device
+        count = int(changed.sum())
         if count:
-            _write_elements(flat, index[differs], values[differs])
+            _write_elements(self.flat, index[changed], on_device[changed])
         return count
 
 
@@ -266,18 +276,19 @@ class EngineReceiver:
         self.agree(lambda: self._check_local(delta))
         applying = self.state.applying
         if applying is not None:
-            if applying["delta_id"] == delta.id:
+            if applying["delta_id"] == delta.id or receiver_plan.same_transition(applying, m):
                 return "resume"
             raise IncompatibleError(
-                f"an apply of the delta to version {applying['target']} was interrupted on this engine; "
-                "re-run that delta to finish it first"
+                f"an apply of the delta to version {applying['target']['version']} was interrupted on this engine; "
+                "re-run that delta (or one with the same base and target) to finish it first"
             )
         if self.state.fingerprint is None:
-            held = fingerprint(self.fingerprint_resident(m.tensors))
+            resident = self.fingerprint_resident(m.tensors)
+            held = fingerprint(resident)
             if held == m.target.fingerprint:
                 self._reached(m.target.version, held, m.tensors)
             elif held == m.base.fingerprint:
-                self.state.version, self.state.fingerprint = m.base.version, held
+                self._reached(m.base.version, held, resident)
             else:
                 raise IncompatibleError(
                     f"the engine holds fingerprint {held[:16]}…, which is neither the delta's base "
@@ -297,8 +308,7 @@ class EngineReceiver:
     def _check_local(self, delta: Delta) -> None:
         m = delta.manifest
         check_layout_kept(self.model)
-        if fingerprint(m.tensors) != m.target.fingerprint:
-            raise FormatError(f"{delta.url}: the tensor table does not match the target fingerprint")
+        receiver_plan.check_table(m, delta.url)
         for name, entry in m.tensors.items():
             if entry.dtype not in TORCH_DTYPES:
                 raise FormatError(f"{name}: unsupported dtype {entry.dtype}")
@@ -330,40 +340,51 @@ class EngineReceiver:
         if mode == "noop":
             assert self.state.fingerprint is not None
             return ApplyReport("noop", m.target.version, self.state.fingerprint)
+        resuming = mode == "resume"
+        base_table = self.state.held_table() if self.state.fingerprint == m.base.fingerprint else None
         try:
-            if mode == "apply":
-                self.agree(lambda: self._check_all_pending(delta))
-            self.state.applying = {"delta_id": delta.id, "target": m.target.version}
-            report = ApplyReport("resumed" if mode == "resume" else "applied", m.target.version, m.target.fingerprint)
+            if base_table is not None:
+                receiver_plan.check_untouched(m, base_table, delta.url)
+            self.agree(lambda: self._first_pass(delta, resuming))
+            self.state.applying = {
+                "delta_id": delta.id,
+                "base": {"version": m.base.version, "fingerprint": m.base.fingerprint},
+                "target": {"version": m.target.version, "fingerprint": m.target.fingerprint},
+            }
+            report = ApplyReport("resumed" if resuming else "applied", m.target.version, m.target.fingerprint)
             for name, items in delta.items_by_tensor():
                 placement = self.placement(name, m.tensors[name])
                 for item in items:
-                    kind, written = self.apply_item(delta, item, placement)
+                    kind, written = self.apply_item(delta, item, placement, resuming)
                     setattr(report, kind, getattr(report, kind) + 1)
                     report.items += 1
                     report.written_elements += written
         finally:
             self._prepared.clear()
             self._prepared_bytes = 0
+        # The proof: what was touched (everything, where the base table is unknown) reads back as
+        # the target table. Until it does, the engine stays "applying" and no version is recorded.
+        names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
+        digests = {name: digest_bytes(self.read_tensor(name, m.tensors[name])) for name in names}
+        bad = receiver_plan.unproven(m, digests)
+        if bad:
+            raise receiver_plan.proof_failure(m, bad, "vLLM engine")
         self._reached(m.target.version, m.target.fingerprint, m.tensors)
         report.seconds = time.perf_counter() - started
         return report
 
-    def _check_all_pending(self, delta: Delta) -> None:
-        """A fresh apply writes nothing unless every item is at its pre-image.
+    def _first_pass(self, delta: Delta, resuming: bool) -> None:
+        """Before any write: every item decodes (section digests, frames) and classifies.
 
-        The recorded version says the engine is at the base; an item that is not means its weights
-        were changed by something other than dcr, and the delta would not lead to the target.
+        On a fresh apply every item must be at its pre-image: the recorded version says the engine
+        is at the base, so an item that is not means the delta does not describe this base or the
+        weights were changed by something other than dcr. Resuming may find items done or torn.
         """
         for name, items in delta.items_by_tensor():
             placement = self.placement(name, delta.manifest.tensors[name])
             for item in items:
-                if self._current(delta, item, placement, keep=True)[0] != item.pre:
-                    raise IncompatibleError(
-                        f"{name}: the engine's weights are not the delta's base there although dcr recorded "
-                        f"version {self.state.version}; they were changed outside dcr. Nothing was written: "
-                        "reload the engine from a checkpoint of a known version"
-                    )
+                digest = self._current(delta, item, placement, keep=True)[0]
+                receiver_plan.classify(digest, item, resuming, f"vLLM engine (recorded version {self.state.version})")
 
     def _prepare(self, delta: Delta, item: Item, placement: Placement) -> Prepared:
         """The item decoded and located on this rank; taken from the check pass when it kept it."""
@@ -387,42 +408,28 @@ class EngineReceiver:
         current, divergent = self.assemble(placement, prepared.count, prepared.located)
         return (None if divergent else digest_bytes(current)), current, prepared.decoded, prepared.located
 
-    def apply_item(self, delta: Delta, item: Item, placement: Placement) -> tuple[str, int]:
+    def apply_item(self, delta: Delta, item: Item, placement: Placement, resuming: bool) -> tuple[str, int]:
         state, current, decoded, located = self._current(delta, item, placement)
-        if state == item.post:
+        kind = receiver_plan.classify(state, item, resuming, "vLLM engine")
+        if kind == "done":
             return "done", 0
+        # Through a widening loader no mask on stored bits carries over: take the absolute values.
         casts = any(d.cast(placement.dtype) for d in placement.destinations)
-        if item.op == "xor" and casts:
-            # Fail closed for XOR through a transforming loader: take the absolute values instead.
-            if item.repair is None:
-                raise IncompatibleError(
-                    f"{item.tensor}: the engine's loader casts this tensor and the item has no repair values; "
-                    "diff it with --overwrite for this engine"
-                )
-            new, kind = delta.repair_values(item), "applied" if state == item.pre else "repaired"
-        elif state == item.pre:
-            new, kind = apply_values(item.op, current, decoded.values), "applied"
-        elif item.op == "xor":
-            if item.repair is None:
-                raise IntegrityError(f"{item.tensor}: a torn item needs its repair section, which is missing")
-            new, kind = delta.repair_values(item), "repaired"
-        else:
-            new, kind = decoded.values, "repaired"  # overwrite and replace carry absolute values
-        if digest_bytes(new) != item.post:
-            raise IntegrityError(
-                f"{item.tensor} {item.region.to_json()}: computed values do not match the delta's post digest; "
-                "the delta is corrupt or the weights changed during the apply"
-            )
-        return kind, self.write(placement, located, new)
+        if item.op == "xor" and item.repair is None:
+            raise IntegrityError(f"{item.tensor}: an xor item needs its repair section, which is missing")
+        new = receiver_plan.new_values(
+            item, kind, current, decoded.values, lambda: delta.repair_values(item), absolute=casts
+        )
+        return ("applied" if kind == "pending" else "repaired"), self.write(placement, located, new)
 
     # ------------------------------------------------------------------ verify
 
     def verify(self, table: dict[str, TensorEntry] | None = None) -> dict[str, Any]:
         """Read every canonical tensor back through its placement and compare digests."""
         if table is None:
-            if not self.state.table:
+            table = self.state.held_table()
+            if table is None:
                 raise DcrError("this engine has no recorded version yet; pass the delta to verify against")
-            table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in self.state.table.items()}
         self._begin()
         check_layout_kept(self.model)
         mismatched = []
@@ -434,15 +441,53 @@ class EngineReceiver:
         return {"tensors": len(table), "mismatched": mismatched, "fingerprint": fingerprint(table)}
 
 
+_NP_INT: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+
+
 def _np_int(dtype: torch.dtype) -> np.dtype:
-    return {1: np.dtype(np.uint8), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}[dtype.itemsize]
+    return _NP_INT[dtype.itemsize]
+
+
+# (exponent bits, mantissa bits) of the float dtypes a loader may widen between.
+_FLOAT_BITS = {torch.bfloat16: (8, 7), torch.float16: (5, 10), torch.float32: (8, 23), torch.float64: (11, 52)}
 
 
 def _to_canonical(held: torch.Tensor, dest: Destination, canonical: torch.dtype) -> torch.Tensor:
-    """Integer bits of the canonical dtype for elements held in ``dest`` (undoing a widening cast)."""
+    """Integer bits of the canonical dtype for elements held in ``dest`` (undoing a widening cast).
+
+    Every value but NaN is cast back (exact: a widened value is a value of the narrower dtype, and
+    casting back must reproduce the held bits). NaN is undone with integer operations: its sign
+    and the top mantissa bits, after checking that the low bits the widening appended are zero
+    (a float cast would turn every NaN payload into the default NaN).
+    """
     if not dest.cast(canonical):
         return held
-    return held.view(dest.dst_dtype).to(canonical).view(int_dtype(canonical))
+    wide = held.view(dest.dst_dtype)
+    out = wide.to(canonical).view(int_dtype(canonical))
+    exp_d, man_d = _FLOAT_BITS[dest.dst_dtype]
+    exp_s, man_s = _FLOAT_BITS[canonical]
+    bits = held.to(torch.int64)
+    if held.element_size() < 8:
+        bits &= (1 << (8 * held.element_size())) - 1  # the unsigned bits of a signed container
+    exponent = (bits >> man_d) & ((1 << exp_d) - 1)
+    mantissa = bits & ((1 << man_d) - 1)
+    nan = (exponent == (1 << exp_d) - 1) & (mantissa != 0)
+    shift = man_d - man_s
+    exact = torch.where(
+        nan, (mantissa & ((1 << shift) - 1)) == 0, out.view(canonical).to(dest.dst_dtype).view(held.dtype) == held
+    )
+    if not bool(exact.all()):
+        raise IntegrityError(
+            f"{dest.param}: the engine holds {dest.dst_dtype} values that no {canonical} checkpoint widens to; "
+            "it was not loaded from such a checkpoint (or was changed since): reload it"
+        )
+    if bool(nan.any()):
+        width = 1 + exp_s + man_s
+        sign = (bits >> (8 * held.element_size() - 1)) & 1
+        narrow = (sign << (width - 1)) | (((1 << exp_s) - 1) << man_s) | (mantissa >> shift)
+        narrow = torch.where(narrow >= 1 << (width - 1), narrow - (1 << width), narrow)  # signed container
+        out = torch.where(nan, narrow.to(out.dtype), out)
+    return out
 
 
 def _as_uint(values: torch.Tensor) -> np.ndarray:

@@ -17,7 +17,6 @@ raises: errors come back as ``{"ok": false, "error": ...}`` so an HTTP client se
 
 from __future__ import annotations
 
-import json
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 from ...delta.reader import Delta
 from ...errors import DcrError
 from ...format.manifest import TensorEntry
+from ...format.strict_json import load_json
 from .apply import EngineReceiver, Exchange, single_rank
 
 BACKEND_NAME = "dcr"
@@ -112,7 +112,7 @@ def _one_line(exc: BaseException) -> str:
 def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
     """Worker method ``dcr_rpc(request_json)``; one dict per rank comes back to the caller."""
     try:
-        args = json.loads(request)
+        args = load_json(request, "dcr_rpc request")
         op = args.get("op")
         engine = getattr(wrapper, "weight_transfer_engine", None)
         if not isinstance(engine, DcrWeightTransferEngine):

@@ -28,6 +28,7 @@ from typing import Any
 from ... import errors
 from ...delta.reader import Delta
 from ...errors import DcrError, IncompatibleError, VerifyFailed
+from ..plan import quote
 
 RPC_METHOD = "dcr_rpc"
 
@@ -219,7 +220,8 @@ def verify_engine(engine: Engine, delta: str | os.PathLike[str] | Delta | None =
     if answer["mismatched"]:
         names = answer["mismatched"]
         raise VerifyFailed(
-            f"{len(names)} of {answer['tensors']} tensors differ from the expected digests: {', '.join(names[:5])}"
+            f"{len(names)} of {answer['tensors']} tensors differ from the expected digests: "
+            + ", ".join(quote(n) for n in names[:5])
             + (" …" if len(names) > 5 else "")
         )
     return answer

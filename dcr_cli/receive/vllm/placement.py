@@ -270,8 +270,8 @@ def trace_placement(model: torch.nn.Module, name: str, shape: tuple[int, ...], d
         raise IncompatibleError(f"{name}: {mode.rejections[0]}; dcr cannot apply a sparse delta exactly through it")
     # No destination on this rank is fine (pipeline stages hold some layers only); the apply checks
     # that every element is held by some rank.
-    storages = {d.param: storage_ptr(resident[d.param]) for d in mode.destinations}
-    return Placement(name, tuple(shape), dtype, mode.destinations, storages)
+    pointers = {d.param: storage_ptr(resident[d.param]) for d in mode.destinations}
+    return Placement(name, tuple(shape), dtype, mode.destinations, pointers)
 
 
 def _repack_hint(model: torch.nn.Module) -> str:

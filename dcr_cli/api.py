@@ -1,0 +1,136 @@
+"""The Python API where the layer-3 packages meet: receivers fed from stores, acknowledgements.
+
+``apply`` / ``verify`` take what the command line takes: delta directories, directories of
+deltas, store URLs (resolved to one of their versions), or opened :class:`Delta` objects. An
+acknowledgement (``ack``) is sent only after the receiver has proven that it holds the version
+(the receivers raise otherwise), so a store never counts a receiver that does not hold it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .delta.reader import Delta
+from .errors import DcrError
+from .receive import plan as receiver_plan
+from .receive.checkpoint import ApplyResult, expand_deltas
+from .receive.checkpoint import apply as apply_checkpoint
+from .receive.verify import VerifyReport
+from .receive.verify import verify as verify_checkpoint
+
+DeltaLike = str | os.PathLike[str] | Delta
+
+
+def resolve(
+    deltas: DeltaLike | Sequence[DeltaLike], version: str | None, storage_options: dict[str, Any] | None
+) -> list[DeltaLike]:
+    """Store URLs become the Delta of one version (``version``, default the newest); the rest is kept."""
+    from .store import is_store, open_delta
+
+    given = [deltas] if isinstance(deltas, (str, os.PathLike, Delta)) else list(deltas)
+    out: list[DeltaLike] = []
+    for d in given:
+        if isinstance(d, (str, os.PathLike)) and is_store(os.fspath(d), storage_options):
+            out.append(open_delta(os.fspath(d), version, storage_options=storage_options))
+        else:
+            out.append(d)
+    if version is not None and not any(isinstance(d, Delta) for d in out):
+        raise DcrError("--version applies to store URLs only")
+    return out
+
+
+def _acknowledge(url: str, receiver: str, version: str, fp: str, storage_options: dict[str, Any] | None) -> None:
+    from .store import acknowledge
+
+    acknowledge(url, version, receiver, fingerprint=fp, storage_options=storage_options)
+
+
+def _ack_pair(ack: str | None, receiver: str | None) -> None:
+    if bool(ack) != bool(receiver):
+        raise DcrError("--ack URL and --receiver NAME go together")
+
+
+def apply(
+    deltas: DeltaLike | Sequence[DeltaLike],
+    *,
+    into: str | os.PathLike[str],
+    version: str | None = None,
+    ack: str | None = None,
+    receiver: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    workers: int | None = None,
+    verify: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> ApplyResult:
+    """Bring checkpoint directory ``into`` to the target of ``deltas`` (receive/checkpoint), then ack it."""
+    _ack_pair(ack, receiver)
+    result = apply_checkpoint(
+        resolve(deltas, version, storage_options), into=into, workers=workers, verify=verify, log=log
+    )
+    if ack and receiver:
+        _acknowledge(ack, receiver, result.version, result.fingerprint, storage_options)
+    return result
+
+
+def apply_vllm(
+    deltas: DeltaLike | Sequence[DeltaLike],
+    url: str,
+    *,
+    ack: str | None = None,
+    receiver: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Apply a chain of deltas to the vLLM server at ``url``; returns {vllm, version, fingerprint, steps}."""
+    from .receive.vllm import apply_to_server
+
+    _ack_pair(ack, receiver)
+    given = [deltas] if isinstance(deltas, (str, os.PathLike, Delta)) else list(deltas)
+    if any(not isinstance(d, Delta) and _is_store(os.fspath(d), storage_options) for d in given):
+        raise DcrError("with --vllm, pass delta directories the engine can read (dcr pull a store's version first)")
+    # The engine's workers open the deltas themselves: local paths are made absolute.
+    located = [d if isinstance(d, Delta) or "://" in os.fspath(d) else os.path.abspath(d) for d in given]
+    order = receiver_plan.engine_chain(expand_deltas(located))
+    steps = [apply_to_server(url, d, log=log) for d in order]
+    target = order[-1].manifest.target
+    if ack and receiver:
+        _acknowledge(ack, receiver, target.version, target.fingerprint, storage_options)
+        if log:
+            log(f"acknowledged {target.version} as {receiver!r} on {ack}")
+    return {"vllm": url, "version": target.version, "fingerprint": target.fingerprint, "steps": steps}
+
+
+def _is_store(location: str, storage_options: dict[str, Any] | None) -> bool:
+    from .store import is_store
+
+    return bool(is_store(location, storage_options))
+
+
+def verify(
+    checkpoint: str | os.PathLike[str],
+    *,
+    against: DeltaLike | None = None,
+    version: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    workers: int | None = None,
+) -> VerifyReport:
+    """``dcr verify CKPT [--against DELTA|STORE_URL [--version V]]`` (receive/verify)."""
+    expected: DeltaLike | None = None
+    if against is not None:
+        (expected,) = resolve(against, version, storage_options)
+    elif version is not None:
+        raise DcrError("--version applies to a store URL given with --against")
+    if expected is not None and not isinstance(expected, Delta):
+        expected = Delta.open(expected)
+    return verify_checkpoint(checkpoint, against=expected, workers=workers)
+
+
+def verify_vllm(url: str, against: DeltaLike | None = None) -> dict[str, Any]:
+    """Read the engine's weights back through its placement; raises VerifyFailed on a mismatch."""
+    from .receive.vllm import verify_server
+
+    if against is not None and not isinstance(against, Delta) and "://" not in os.fspath(against):
+        against = os.path.abspath(against)
+    return verify_server(url, against)

@@ -1,0 +1,522 @@
+"""``dcr apply --into``: update a Hugging Face checkpoint directory in place, crash-safe.
+
+Normative text: format_spec/receiver-checkpoint.md. In short:
+
+* All checks run before the first byte is written: manifests, file names, the tensor layout,
+  the receiver's version (the delta's base), the target table, every data block's digest, and
+  a first pass over every item: its sections decode (digests, frames), its current elements are
+  classified, and its new values digest to ``post``. On a fresh apply every item must be at its
+  pre-image; done and torn items are legitimate only when resuming the same base -> target.
+* The receiver's version lives in ``CKPT/.dcr/state.json``, replaced atomically; while a delta
+  is being applied it says so ("applying X -> Y"). An exclusive ``flock`` keeps appliers apart.
+* Only the affected elements are written, in place, with pwrite (inplace.py).
+* Before the state says "at target", the touched tensors are read back and their digests
+  compared with the target table: a version is recorded only when the receiver holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...checkpoints.safetensors_dir import SafetensorsCheckpoint, TensorLocation
+from ...delta.reader import Delta
+from ...errors import FormatError, IncompatibleError, IntegrityError, VerifyFailed
+from ...format.digest import digest_bytes
+from ...format.manifest import MANIFEST_NAME, Item, TensorEntry, fingerprint
+from ...io.pool import default_workers, ordered_parallel
+from .. import plan as receiver_plan
+from .inplace import InPlaceFiles, Run, digest_tensors, runs_of
+from .state import (
+    HISTORY_LENGTH,
+    ReceiverState,
+    explain_enospc,
+    file_stats,
+    read_recorded_table,
+    read_state,
+    receiver_lock,
+    ref,
+    same_files,
+    state_dir,
+    write_recorded_table,
+    write_state,
+)
+
+DeltaLike = str | os.PathLike[str] | Delta
+
+# Memory the first pass may keep (new values and indices of items) for the write pass; items
+# beyond it are read, verified and decoded again when they are written.
+PREPARED_BYTES = 256 << 20
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class ItemCounts:
+    done: int = 0  # already at the post-image: skipped
+    applied: int = 0  # at the pre-image: the delta was applied
+    repaired: int = 0  # torn: rewritten with absolute target values
+    changed_elements: int = 0
+
+    def add(self, kind: str, elements: int) -> None:
+        if kind == "done":
+            self.done += 1
+            return
+        if kind == "pending":
+            self.applied += 1
+        elif kind == "torn":
+            self.repaired += 1
+        else:
+            raise ValueError(f"unknown item outcome {kind!r}")
+        self.changed_elements += elements
+
+
+@dataclass
+class StepResult:
+    delta: str
+    delta_id: str
+    base_version: str
+    target_version: str
+    status: str  # "applied" | "resumed"
+    items: int
+    done: int
+    applied: int
+    repaired: int
+    changed_elements: int
+    seconds: float
+    proof_seconds: float = 0.0  # reading back the touched tensors before recording the target
+
+
+@dataclass
+class ApplyResult:
+    checkpoint: str
+    version: str
+    fingerprint: str
+    steps: list[StepResult]
+    skipped: list[str]  # deltas already applied
+    message: str
+
+    @property
+    def noop(self) -> bool:
+        return not self.steps
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "noop": self.noop}
+
+
+# --------------------------------------------------------------------------- opening and checking deltas
+
+
+def expand_deltas(deltas: DeltaLike | Sequence[DeltaLike]) -> list[Delta]:
+    """Open deltas given as paths/URLs or Delta objects; a local directory of deltas expands to its children."""
+    if isinstance(deltas, (str, os.PathLike, Delta)):
+        deltas = [deltas]
+    opened: list[Delta] = []
+    for d in deltas:
+        if isinstance(d, Delta):
+            opened.append(d)
+            continue
+        path = Path(os.fspath(d))
+        if "://" not in os.fspath(d) and path.is_dir() and not (path / MANIFEST_NAME).exists():
+            children = sorted(p for p in path.iterdir() if (p / MANIFEST_NAME).is_file())
+            if not children:
+                raise FormatError(f"{path} is neither a dcr delta nor a directory of deltas")
+            opened.extend(Delta.open(p) for p in children)
+        else:
+            opened.append(Delta.open(d))
+    unique: dict[str, Delta] = {}
+    for d in opened:
+        unique.setdefault(d.id, d)
+    if not unique:
+        raise FormatError("no delta given")
+    return list(unique.values())
+
+
+def check_delta(delta: Delta) -> None:
+    """Everything about a delta that can be checked without the receiver: manifest table, block digests."""
+    receiver_plan.check_table(delta.manifest, delta.url)
+    delta.verify_blocks(("data",))  # from a store: fetched once here, and kept for the apply
+    delta.check_repair_blocks()  # optional; local ones must be intact, a store's are fetched only if needed
+
+
+def check_layout(delta: Delta, ckpt: SafetensorsCheckpoint, root: Path) -> None:
+    """Format v1 deltas keep the layout: the checkpoint must hold exactly the delta's tensors, dtypes and shapes."""
+    tensors = delta.manifest.tensors
+    for name, entry in sorted(tensors.items()):
+        loc = ckpt.tensors.get(name)
+        if loc is None:
+            raise IncompatibleError(f"tensor {name!r} of {delta.url} is missing from {root}")
+        if (loc.dtype, loc.shape) != (entry.dtype, tuple(entry.shape)):
+            raise IncompatibleError(
+                f"tensor {name!r} is {loc.dtype}{list(loc.shape)} in {root} but "
+                f"{entry.dtype}{list(entry.shape)} in {delta.url}"
+            )
+    extra = sorted(set(ckpt.tensors) - set(tensors))
+    if extra:
+        raise IncompatibleError(f"tensor {extra[0]!r} of {root} is not in {delta.url} ({len(extra)} such)")
+    for file in sorted({loc.file for loc in ckpt.tensors.values()}):
+        links = file.stat().st_nlink
+        if links > 1:
+            # An in-place write would change every other name of the file too (cp -al snapshots, caches).
+            raise IncompatibleError(
+                f"{file} has {links} hard links; applying in place would change the other copies too: "
+                "replace it with a private copy (cp --reflink=auto) first"
+            )
+
+
+# --------------------------------------------------------------------------- items
+
+
+@dataclass
+class Prepared:
+    """An item after the first pass: its outcome, and (within the budget) what to write."""
+
+    kind: receiver_plan.Kind
+    count: int
+    index: np.ndarray | slice | None = None
+    runs: list[Run] | None = None
+    new: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        held = [a for a in (self.index, self.new) if isinstance(a, np.ndarray)]
+        return sum(a.nbytes for a in held)
+
+    def drop(self) -> Prepared:
+        return Prepared(self.kind, self.count)
+
+
+def _repair(delta: Delta, item: Item) -> np.ndarray:
+    assert item.repair is not None
+    if not delta.has_block(delta.manifest.blocks[item.repair.block]):
+        raise IntegrityError(
+            f"{receiver_plan.quote(item.tensor)}: an interrupted write left this item torn and its repair block is "
+            "not here; fetch the delta with its repair blocks and re-run"
+        )
+    return delta.repair_values(item)
+
+
+def prepare_item(delta: Delta, item: Item, files: InPlaceFiles, resuming: bool) -> Prepared:
+    """Decode (section digest, frames), read the current elements, classify, compute and check new values."""
+    loc = files.locations[item.tensor]
+    decoded = delta.decode(item)
+    index = receiver_plan.canonical_index(item.region, decoded.positions, loc.shape)
+    runs: list[Run] = []
+    if isinstance(index, np.ndarray):
+        local = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
+        segment = local // receiver_plan.contiguous_run(item.region, loc.shape)
+        runs = runs_of(index, segment, decoded.values.dtype.itemsize)
+    current = files.gather(item.tensor, index, runs)
+    where = f"{files.locations[item.tensor].file.parent}"
+    kind = receiver_plan.classify(digest_bytes(current), item, resuming, where)
+    if kind == "done":
+        return Prepared(kind, item.count)
+    new = receiver_plan.new_values(item, kind, current, decoded.values, lambda: _repair(delta, item))
+    return Prepared(kind, item.count, index, runs, new)
+
+
+class _Cancelled(Exception):
+    """An item not written because another one failed first."""
+
+
+def first_pass(delta: Delta, files: InPlaceFiles, resuming: bool, workers: int) -> list[Prepared]:
+    """Every check of delta-v1 §7.2 for every item, before the first write; keeps what fits the budget."""
+
+    def task(item: Item) -> Callable[[], Prepared]:
+        return lambda: prepare_item(delta, item, files, resuming)
+
+    out: list[Prepared] = []
+    kept = 0
+    for prepared in ordered_parallel((task(it) for it in delta.manifest.items), workers):
+        if kept + prepared.nbytes <= PREPARED_BYTES:
+            kept += prepared.nbytes
+            out.append(prepared)
+        else:
+            out.append(prepared.drop())
+    return out
+
+
+def write_items(
+    delta: Delta, prepared: list[Prepared], files: InPlaceFiles, resuming: bool, workers: int
+) -> Iterator[Prepared]:
+    """Write every item that is not done, on a pool (at most 2 x workers in flight); yields outcomes in order.
+
+    On the first failure, items not yet written are cancelled (a failed write stops the apply
+    promptly); once every running write has finished, the first real error is raised.
+    """
+    failed = threading.Event()
+
+    def run(item: Item, first: Prepared) -> Prepared:
+        try:
+            p = first
+            if p.kind != "done" and p.new is None:  # beyond the budget: read and verify it again
+                p = prepare_item(delta, item, files, resuming)
+            if p.kind == "done":
+                return p
+            if failed.is_set():
+                raise _Cancelled
+            assert p.index is not None and p.new is not None
+            files.scatter(item.tensor, p.index, p.runs or [], p.new)
+            return p
+        except _Cancelled:
+            raise
+        except BaseException:
+            failed.set()
+            raise
+
+    error: BaseException | None = None
+    window: deque[Future[Prepared]] = deque()
+    pool = ThreadPoolExecutor(max_workers=workers)
+
+    def settle(future: Future[Prepared]) -> Prepared | None:
+        nonlocal error
+        try:
+            return future.result()
+        except _Cancelled:
+            return None
+        except BaseException as exc:
+            error = error or exc
+            return None
+
+    try:
+        for item, p in zip(delta.manifest.items, prepared, strict=True):
+            if failed.is_set():
+                break
+            window.append(pool.submit(run, item, p))
+            while len(window) >= 2 * workers:
+                outcome = settle(window.popleft())
+                if outcome is not None and error is None:
+                    yield outcome
+        while window:
+            outcome = settle(window.popleft())
+            if outcome is not None and error is None:
+                yield outcome
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    if error is not None:
+        raise error
+
+
+# --------------------------------------------------------------------------- apply
+
+
+@dataclass
+class _Start:
+    fingerprint: str
+    version: str
+    table: dict[str, TensorEntry] | None  # the receiver's table, where known
+    resume: Delta | None
+    history: list[str]
+
+
+def _establish(
+    root: Path,
+    ckpt: SafetensorsCheckpoint,
+    files: InPlaceFiles,
+    opened: list[Delta],
+    workers: int,
+    say: Callable[[str], None],
+) -> tuple[_Start, ReceiverState | None]:
+    """The receiver's version: from the state where the files are the ones it describes, else by hashing."""
+    state = read_state(root)
+    now = file_stats(root, ckpt)
+    if state is not None and state.applying is not None:
+        a = state.applying
+        resume = next((d for d in opened if d.id == a["delta_id"]), None) or next(
+            (d for d in opened if receiver_plan.same_transition(a, d.manifest)), None
+        )
+        if resume is None:
+            raise IncompatibleError(
+                f"{root} is in the middle of applying delta {a['delta_id'][:16]}… "
+                f"({a['base'].get('version')} -> {a['target'].get('version')}); "
+                "re-run dcr apply with that delta (or one with the same base and target) to finish it"
+            )
+        if same_files(state.files, now):
+            base = resume.manifest.base
+            table = read_recorded_table(root, base.fingerprint)
+            return _Start(base.fingerprint, base.version, table, resume, list(state.history)), state
+        say(f"{root}: the files of the interrupted apply were replaced since; re-hashing")
+    elif state is not None and state.fingerprint and state.files == now:
+        table = read_recorded_table(root, state.fingerprint)
+        return _Start(
+            state.fingerprint, state.version or state.fingerprint[:16], table, None, list(state.history)
+        ), state
+    elif state is not None:
+        say(f"{root}: files changed since dcr last recorded a version; re-hashing")
+    # Whatever wrote the files, dcr's record of earlier versions no longer holds.
+    table = digest_tensors(files, workers)
+    fp = fingerprint(table)
+    return _Start(fp, _label(fp, opened), table, None, []), state
+
+
+def apply(
+    deltas: DeltaLike | Sequence[DeltaLike],
+    *,
+    into: str | os.PathLike[str],
+    workers: int | None = None,
+    verify: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> ApplyResult:
+    """Bring checkpoint directory ``into`` to the target of ``deltas``, in place.
+
+    ``deltas`` is one delta (path, URL or :class:`Delta`), several (applied as a chain ordered by
+    base -> target from the checkpoint's current version), or a local directory of deltas.
+    Deltas already applied are skipped. A crash at any point is recovered by calling this again
+    with the same deltas (or any with the same base and target). ``verify`` re-digests the whole
+    checkpoint afterwards (``dcr verify``).
+    """
+    root = Path(into)
+    if not root.is_dir():
+        raise IncompatibleError(f"{root} is not a checkpoint directory")
+    workers = workers or default_workers()
+    say = log or (lambda _msg: None)
+    opened = expand_deltas(deltas)
+    SafetensorsCheckpoint(root).close()  # a readable checkpoint (headers, names) before .dcr/ is created
+    with receiver_lock(root), SafetensorsCheckpoint(root) as ckpt:
+        # v1 deltas keep the layout, so every delta given must match it; checking first names the
+        # missing or reshaped tensor instead of reporting a mere fingerprint mismatch.
+        for d in opened:
+            check_layout(d, ckpt, root)
+        for stale in state_dir(root).glob(".*.tmp-*"):  # left by a writer killed mid-replace
+            stale.unlink(missing_ok=True)
+        locations = dict(ckpt.tensors)
+        with InPlaceFiles(locations) as reader:
+            start, state = _establish(root, ckpt, reader, opened, workers, say)
+        plan, behind = receiver_plan.order_chain(opened, start.fingerprint, start.resume, start.history)
+        history = start.history
+        if not plan:
+            stats = file_stats(root, ckpt)
+            if state is None or state.fingerprint != start.fingerprint or state.files != stats:
+                table = start.table or _table_for(start.fingerprint, opened)
+                if table is None:
+                    with InPlaceFiles(locations) as reader:
+                        table = digest_tensors(reader, workers)
+                write_recorded_table(root, table)
+                write_state(root, ReceiverState(start.version, start.fingerprint, None, stats, history))
+            message = f"{root}: already at version {start.version}; nothing to apply"
+            if behind:
+                message += f" ({', '.join(d.url for d in behind)} applied before)"
+            say(message)
+            result = ApplyResult(str(root), start.version, start.fingerprint, [], [d.url for d in behind], message)
+        else:
+            _check_plan(plan, start.table)
+            ckpt.close()
+            steps: list[StepResult] = []
+            base_table = start.table
+            for d in plan:
+                steps.append(_apply_one(root, d, locations, workers, history, base_table, resumed=d is start.resume))
+                base_table = d.manifest.tensors
+                step = steps[-1]
+                say(
+                    f"{root}: {step.status} {step.base_version} -> {step.target_version}: "
+                    f"{step.applied} items applied, {step.repaired} repaired, {step.done} already done "
+                    f"({step.changed_elements:,} elements, {step.seconds:.2f}s)"
+                )
+            final = plan[-1].manifest.target
+            result = ApplyResult(
+                str(root),
+                final.version,
+                final.fingerprint,
+                steps,
+                [d.url for d in behind],
+                f"{root}: now at version {final.version}",
+            )
+        if verify:  # still under the lock: nobody can change the files between apply and verify
+            from ..verify import verify as verify_checkpoint
+
+            report = verify_checkpoint(root, against=plan[-1] if plan else None, workers=workers)
+            if not report.ok:
+                raise VerifyFailed(report.summary())
+            say(report.summary())
+    return result
+
+
+def _check_plan(plan: list[Delta], start_table: dict[str, TensorEntry] | None) -> None:
+    """Before the first write: every delta's table and blocks, its untouched tensors, every later delta's sections."""
+    base_table = start_table
+    for k, d in enumerate(plan):
+        check_delta(d)
+        if base_table is not None:
+            receiver_plan.check_untouched(d.manifest, base_table, d.url)
+        if k:  # the first delta's items are checked (and classified) by its first pass
+            for item in d.manifest.items:
+                d.decode(item)
+        base_table = d.manifest.tensors
+
+
+def _label(fp: str, deltas: list[Delta]) -> str:
+    for d in deltas:
+        for version in (d.manifest.base, d.manifest.target):
+            if version.fingerprint == fp:
+                return version.version
+    return fp[:16]
+
+
+def _table_for(fp: str, deltas: list[Delta]) -> dict[str, TensorEntry] | None:
+    return next((d.manifest.tensors for d in deltas if d.manifest.target.fingerprint == fp), None)
+
+
+def _apply_one(
+    root: Path,
+    delta: Delta,
+    locations: dict[str, TensorLocation],
+    workers: int,
+    history: list[str],
+    base_table: dict[str, TensorEntry] | None,
+    *,
+    resumed: bool,
+) -> StepResult:
+    """One delta: first pass, state -> applying, writes, fsync, proof, table, state -> target."""
+    m = delta.manifest
+    started = time.perf_counter()
+    with InPlaceFiles(locations, writable=True) as files, explain_enospc(root):
+        files.open_all(touched := sorted(receiver_plan.touched(m)))
+        prepared = first_pass(delta, files, resumed, workers)  # raises before anything is written
+        if base_table is not None and read_recorded_table(root, m.base.fingerprint) is None:
+            write_recorded_table(root, base_table)  # so that a resume can check what it did not touch
+        with SafetensorsCheckpoint(root) as ckpt:
+            before = file_stats(root, ckpt)
+        # From here on the files may be between versions; the state says which delta is in flight.
+        applying = {"delta_id": delta.id, "base": ref(m.base), "target": ref(m.target), "url": delta.url}
+        write_state(root, ReceiverState(None, None, applying, before, history))
+        counts = ItemCounts()
+        for outcome in write_items(delta, prepared, files, resumed, workers):
+            counts.add(outcome.kind, outcome.count)
+        files.sync()
+        # The proof: the touched tensors (every tensor, where the base table is unknown) must now
+        # hash to the target table; nothing claims the target before this holds.
+        proof_started = time.perf_counter()
+        names = touched if base_table is not None else sorted(m.tensors)
+        digests = digest_tensors(files, workers, names)
+        proof_seconds = time.perf_counter() - proof_started
+    bad = receiver_plan.unproven(m, {n: t.digest for n, t in digests.items()})
+    if bad:
+        raise receiver_plan.proof_failure(m, bad, str(root))
+    with SafetensorsCheckpoint(root) as ckpt:
+        stats = file_stats(root, ckpt)
+    write_recorded_table(root, m.tensors)
+    history[:] = [*(h for h in history if h != m.base.fingerprint), m.base.fingerprint][-HISTORY_LENGTH:]
+    write_state(root, ReceiverState(m.target.version, m.target.fingerprint, None, stats, history))
+    return StepResult(
+        delta=delta.url,
+        delta_id=delta.id,
+        base_version=m.base.version,
+        target_version=m.target.version,
+        status="resumed" if resumed else "applied",
+        items=len(m.items),
+        done=counts.done,
+        applied=counts.applied,
+        repaired=counts.repaired,
+        changed_elements=counts.changed_elements,
+        seconds=time.perf_counter() - started,
+        proof_seconds=proof_seconds,
+    )

@@ -1,0 +1,179 @@
+"""Reading and writing a checkpoint's tensor data in place, with pread and pwrite.
+
+No memory map is written: a store into a mapping cannot report an error, so on a full file
+system (a sparse file, a tmpfs, a copy-on-write file system) it kills the process with SIGBUS.
+``pwrite`` returns ENOSPC instead, which the applier reports in one line while its state still
+says "applying", so a re-run after freeing space finishes the job. Reads use ``pread`` too: on
+a tmpfs even a read fault on a hole allocates a page.
+
+Writes land in the page cache that every reader of the file shares (mapped readers included);
+only data sections are ever written, so headers stay intact. An item's elements are written as
+*runs*: spans of the file that lie inside the item's region (so no other item's elements are
+rewritten, even when items are written in parallel) and are dense enough to rewrite whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...checkpoints.safetensors_dir import TensorLocation
+from ...errors import IntegrityError
+from ...format.digest import StreamingDigest
+from ...format.dtypes import dtype as lookup_dtype
+from ...format.manifest import TensorEntry
+from ...io.pool import ordered_parallel
+
+GAP_BYTES = 4096  # unchanged bytes between two written elements that a run rewrites rather than split
+RUN_BYTES = 4 << 20  # longest run (bounds the buffer one write needs)
+READ_CHUNK = 16 << 20  # bytes per read when digesting a tensor
+
+
+@dataclass(frozen=True)
+class Run:
+    first: int  # canonical flat index of the first element
+    last: int  # ... and of the last (inclusive)
+    lo: int  # the run holds index[lo:hi]
+    hi: int
+
+    @property
+    def dense(self) -> bool:
+        return self.hi - self.lo == self.last - self.first + 1
+
+
+def runs_of(index: np.ndarray, segment: np.ndarray, itemsize: int) -> list[Run]:
+    """Split sorted canonical ``index`` into runs; ``segment`` ids mark contiguous stretches of the region."""
+    if index.size == 0:
+        return []
+    gap, cap = max(1, GAP_BYTES // itemsize), max(1, RUN_BYTES // itemsize)
+    cut = (np.diff(index) > gap) | (np.diff(segment) != 0) | (np.diff(index // cap) != 0)
+    bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), int(index.size)]
+    return [Run(int(index[lo]), int(index[hi - 1]), lo, hi) for lo, hi in itertools.pairwise(bounds)]
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    """The bytes of a contiguous array, without a copy."""
+    return memoryview(array.data).cast("B")
+
+
+def _write_values(fd: int, offset: int, data: memoryview) -> None:
+    """The only place an apply writes tensor bytes (tests inject write failures here)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _read_into(fd: int, offset: int, buf: memoryview, what: str) -> None:
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            raise IntegrityError(f"{what}: the file ended before the tensor's data (truncated behind dcr's back?)")
+        got += n
+
+
+class InPlaceFiles:
+    """File descriptors of a checkpoint's files and element-level reads and writes of its tensors."""
+
+    def __init__(self, locations: dict[str, TensorLocation], *, writable: bool = False) -> None:
+        self.locations = locations
+        self.writable = writable
+        self._fds: dict[Path, int] = {}
+        self._written: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def _fd(self, file: Path) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                fd = self._fds[file] = os.open(file, os.O_RDWR if self.writable else os.O_RDONLY)
+            return fd
+
+    def open_all(self, names: Iterable[str]) -> None:
+        """Open the files of ``names`` now (in this thread), so a missing permission fails before any write."""
+        for name in names:
+            self._fd(self.locations[name].file)
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Elements [start, stop) of a tensor, as its unsigned integers (a fresh array)."""
+        loc = self.locations[name]
+        uint = lookup_dtype(loc.dtype).uint
+        out = np.empty(max(0, stop - start), dtype=uint)
+        if out.size:
+            _read_into(self._fd(loc.file), loc.start + start * uint.itemsize, _bytes(out), name)
+        return out
+
+    def gather(self, name: str, index: np.ndarray | slice, runs: list[Run]) -> np.ndarray:
+        """Current values at ``index`` (sorted canonical indices, or a contiguous slice)."""
+        if isinstance(index, slice):
+            return self.read(name, index.start, index.stop)
+        uint = lookup_dtype(self.locations[name].dtype).uint
+        out = np.empty(index.size, dtype=uint)
+        for run in runs:
+            span = self.read(name, run.first, run.last + 1)
+            out[run.lo : run.hi] = span if run.dense else span[index[run.lo : run.hi] - run.first]
+        return out
+
+    def scatter(self, name: str, index: np.ndarray | slice, runs: list[Run], values: np.ndarray) -> None:
+        """Write ``values`` at ``index``; each run is rewritten whole (it lies inside the item's region)."""
+        loc = self.locations[name]
+        uint = lookup_dtype(loc.dtype).uint
+        values = np.ascontiguousarray(values, dtype=uint)
+        fd = self._fd(loc.file)
+        with self._lock:
+            self._written.add(loc.file)
+        if isinstance(index, slice):
+            if values.size:
+                _write_values(fd, loc.start + index.start * uint.itemsize, _bytes(values))
+            return
+        for run in runs:
+            if run.dense:
+                data = values[run.lo : run.hi]
+            else:
+                data = self.read(name, run.first, run.last + 1)
+                data[index[run.lo : run.hi] - run.first] = values[run.lo : run.hi]
+            _write_values(fd, loc.start + run.first * uint.itemsize, _bytes(data))
+
+    def digest(self, name: str) -> str:
+        """BLAKE3 of a tensor's stored bytes, read in bounded chunks."""
+        loc = self.locations[name]
+        itemsize = lookup_dtype(loc.dtype).itemsize
+        step = max(1, READ_CHUNK // itemsize)
+        digest = StreamingDigest()
+        for start in range(0, loc.numel, step):
+            digest.update(self.read(name, start, min(loc.numel, start + step)))
+        return digest.hexdigest()
+
+    def sync(self) -> None:
+        """Make every write durable: fsync each file written."""
+        for file in sorted(self._written):
+            os.fsync(self._fds[file])
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._written.clear()
+
+    def __enter__(self) -> InPlaceFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
+    """The tensor table of ``names`` (default: every tensor), hashed on the pool, largest tensors first."""
+    chosen = sorted(files.locations if names is None else names, key=lambda n: -files.locations[n].nbytes)
+
+    def task(name: str) -> Callable[[], tuple[str, str]]:
+        return lambda: (name, files.digest(name))
+
+    digests = dict(ordered_parallel((task(n) for n in chosen), workers))
+    return {n: TensorEntry(files.locations[n].dtype, files.locations[n].shape, digests[n]) for n in sorted(digests)}

@@ -1,0 +1,173 @@
+"""What a checkpoint receiver records in ``CKPT/.dcr/``: its state, the table of its version, its lock.
+
+Normative: format_spec/receiver-checkpoint.md §2 (state, table) and §3 (lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...checkpoints.safetensors_dir import INDEX_NAME, SafetensorsCheckpoint
+from ...errors import ConflictError, FormatError
+from ...format.digest import is_digest
+from ...format.manifest import TensorEntry, VersionRef, fingerprint
+from ...format.strict_json import load_json
+from ...io.files import fsync_dir, write_atomic
+
+STATE_DIR = ".dcr"
+STATE_NAME = "state.json"
+TABLE_NAME = "table.json"
+LOCK_NAME = "lock"
+STATE_FORMAT = "dcr.receiver-state"
+STATE_VERSION = 1
+HISTORY_LENGTH = 256
+
+
+@dataclass
+class ReceiverState:
+    """What CKPT/.dcr/state.json records (format_spec/receiver-checkpoint.md §2)."""
+
+    version: str | None  # label of the version the checkpoint holds; None while unknown
+    fingerprint: str | None
+    applying: dict[str, Any] | None = None  # {delta_id, base: {version, fingerprint}, target: {...}}
+    files: dict[str, list[int]] = field(default_factory=dict)  # name -> [size, mtime_ns, ctime_ns, inode]
+    history: list[str] = field(default_factory=list)  # fingerprints of earlier versions reached by dcr apply
+
+    def to_json_bytes(self) -> bytes:
+        obj = {"format": STATE_FORMAT, "format_version": STATE_VERSION, **asdict(self)}
+        return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+def state_dir(root: Path) -> Path:
+    return root / STATE_DIR
+
+
+def ref(version: VersionRef) -> dict[str, str]:
+    return {"version": version.version, "fingerprint": version.fingerprint}
+
+
+def _is_ref(obj: Any) -> bool:
+    """A {version, fingerprint} pair as the state records it."""
+    return isinstance(obj, dict) and isinstance(obj.get("version"), str) and is_digest(obj.get("fingerprint"))
+
+
+def _is_files(obj: Any) -> bool:
+    return isinstance(obj, dict) and all(
+        isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v) for v in obj.values()
+    )
+
+
+def read_state(root: str | os.PathLike[str]) -> ReceiverState | None:
+    path = state_dir(Path(root)) / STATE_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    bad = FormatError(f"{path} is not a dcr receiver state file; remove it to re-establish the version")
+    try:
+        obj = load_json(raw, str(path))
+    except FormatError:
+        raise bad from None
+    if not isinstance(obj, dict) or obj.get("format") != STATE_FORMAT:
+        raise bad
+    if obj.get("format_version") != STATE_VERSION:
+        raise FormatError(f"{path}: receiver state version {obj.get('format_version')!r} is not supported; upgrade dcr")
+    applying = obj.get("applying")
+    if applying is not None and not (
+        isinstance(applying, dict)
+        and isinstance(applying.get("delta_id"), str)
+        and _is_ref(applying.get("base"))
+        and _is_ref(applying.get("target"))
+    ):
+        raise bad
+    version, fp = obj.get("version"), obj.get("fingerprint")
+    if not (version is None or isinstance(version, str)) or not (fp is None or is_digest(fp)):
+        raise bad
+    files = obj.get("files") or {}
+    history = obj.get("history") or []
+    if not _is_files(files) or not isinstance(history, list):
+        raise bad
+    return ReceiverState(version, fp, applying, dict(files), [h for h in history if is_digest(h)])
+
+
+def write_state(root: Path, state: ReceiverState) -> None:
+    """Replace the state file atomically and durably: temp file, fsync, rename, fsync dir."""
+    path = state_dir(root) / STATE_NAME
+    with explain_enospc(path):
+        write_atomic(path, state.to_json_bytes())
+        fsync_dir(state_dir(root))
+
+
+@contextlib.contextmanager
+def explain_enospc(path: Path) -> Iterator[None]:
+    """A full file system (ENOSPC, EDQUOT) is reported with what to do next; the errno is kept."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or "re-run the same dcr apply" in str(exc.strerror):
+            raise
+        raise OSError(exc.errno, f"{exc.strerror}; free space and re-run the same dcr apply", str(path)) from exc
+
+
+def write_recorded_table(root: Path, table: dict[str, TensorEntry]) -> None:
+    """Keep the tensor table of the version reached, so ``dcr verify`` can name tensors without the delta."""
+    obj = {"fingerprint": fingerprint(table), "tensors": {n: t.to_json() for n, t in sorted(table.items())}}
+    with explain_enospc(state_dir(root) / TABLE_NAME):
+        write_atomic(state_dir(root) / TABLE_NAME, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def read_recorded_table(root: str | os.PathLike[str], expected_fingerprint: str) -> dict[str, TensorEntry] | None:
+    """The recorded table of ``expected_fingerprint``; None when absent, damaged or of another version."""
+    path = state_dir(Path(root)) / TABLE_NAME
+    try:
+        obj = load_json(path.read_bytes(), str(path))
+        table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in obj["tensors"].items()}
+    except (FileNotFoundError, FormatError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return table if fingerprint(table) == expected_fingerprint else None
+
+
+def file_stats(root: Path, ckpt: SafetensorsCheckpoint) -> dict[str, list[int]]:
+    """Identity of the checkpoint's files; a change means someone else wrote them, so the state is stale."""
+    files = {loc.file for loc in ckpt.tensors.values()}
+    if (root / INDEX_NAME).exists():
+        files.add(root / INDEX_NAME)
+    stats = {}
+    for path in sorted(files):
+        st = path.stat()
+        stats[os.path.relpath(path, root.resolve())] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    return stats
+
+
+def same_files(recorded: dict[str, list[int]], now: dict[str, list[int]]) -> bool:
+    """Same names, sizes and inodes: the files an interrupted apply was writing in place (whose times moved)."""
+    if not recorded or set(recorded) != set(now):
+        return False
+    return all(len(r) == 4 and (r[0], r[3]) == (now[n][0], now[n][3]) for n, r in recorded.items())
+
+
+@contextlib.contextmanager
+def receiver_lock(root: Path) -> Iterator[None]:
+    """Exclusive, non-blocking: a second applier fails at once instead of interleaving writes."""
+    directory = state_dir(root)
+    with explain_enospc(directory):
+        directory.mkdir(exist_ok=True)
+        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConflictError(
+                f"another dcr apply holds {directory / LOCK_NAME}; wait for it to finish, then re-run"
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
