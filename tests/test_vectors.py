@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -61,10 +62,42 @@ def test_empty_digest_is_blake3_of_nothing():
     assert digest_bytes(b"").startswith("af1349b9")
 
 
+# What dcr's refusal of each bad vector says: it must be refused for the reason in its reason.txt,
+# not for some other damage (tests/test_reference_decoder.py checks the same for the independent decoder).
+REFUSED_BECAUSE = {
+    "bool-as-integer": "count must be an integer",
+    "bytes-after-frame": "follow the zstd frame",
+    "deep-nesting": "nested 1001 levels",
+    "duplicate-key": "duplicate key 'items'",
+    "float-as-integer": "count must be an integer",
+    "huge-integer": "4301 digits",
+    "lone-surrogate": "lone surrogate",
+    "nan-number": "NaN",
+    "nul-in-string": "NUL",
+    "overlapping-items": "overlap",
+    "region-of-both-kinds": "not both",
+    "region-outside-tensor": "outside",
+    "section-past-block": "past the end of its block",
+    "tampered-block": "corrupt",
+    "tensor-not-a-string": "tensor must be a string",
+    "truncated-block": "truncated",
+    "unknown-major": "major version 2",
+    "unknown-op": "unknown op 'add'",
+    "xor-without-repair": "repair section",
+}
+
+
+def test_every_bad_vector_has_a_reason() -> None:
+    cases = sorted(p.name for p in (VECTORS / "bad").iterdir())
+    assert cases == sorted(REFUSED_BECAUSE)
+    for case in cases:
+        assert (VECTORS / "bad" / case / "reason.txt").read_text().strip()
+
+
 @pytest.mark.parametrize("case", sorted(p.name for p in (VECTORS / "bad").iterdir()))
 def test_bad_vectors_are_rejected(case: str):
     path = VECTORS / "bad" / case / "delta"
-    with pytest.raises(FormatError):
+    with pytest.raises(FormatError, match=re.escape(REFUSED_BECAUSE[case])):
         delta = Delta.open(path)
         delta.verify_blocks(roles=("data", "repair"))
         for item in delta.manifest.items:

@@ -9,7 +9,6 @@ boxes (which ``_check_cover`` then proves complete). No pickle is involved.
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
+from ..format.strict_json import load_json
 from .safetensors_dir import read_header
 from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint, release_pages
 
@@ -44,6 +44,24 @@ def _has_sharding_info(file: Path) -> bool:
     return SHARDING_KEY in (header.get("__metadata__") or {})
 
 
+def sharding_info(file: Path, header: dict) -> dict[str, dict]:
+    """``__metadata__["DCP_SHARDING_INFO"]`` of a shard, read strictly: fqn -> {"saved_offsets": [uint...]}."""
+    raw = (header.get("__metadata__") or {}).get(SHARDING_KEY)
+    if not isinstance(raw, str):
+        raise FormatError(f"{file}: {SHARDING_KEY} is missing from the safetensors metadata")
+    info = load_json(raw, f"{file}: {SHARDING_KEY}")
+    if not isinstance(info, dict):
+        raise FormatError(f"{file}: {SHARDING_KEY} is not a JSON object")
+    for name, entry in info.items():
+        offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in offsets)
+        ):
+            raise FormatError(f"{file}: {SHARDING_KEY} entry for {name!r} needs saved_offsets, non-negative integers")
+    return info
+
+
 class DcpHfReader(ShardReader):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = str(root)
@@ -56,10 +74,7 @@ class DcpHfReader(ShardReader):
         dtypes: dict[str, str] = {}
         for file in files:
             header, data_start = read_header(file)
-            try:
-                info = json.loads(header["__metadata__"][SHARDING_KEY])
-            except (KeyError, TypeError, json.JSONDecodeError):
-                raise FormatError(f"{file}: {SHARDING_KEY} is not valid JSON") from None
+            info = sharding_info(file, header)
             size = file.stat().st_size
             for name, meta in header.items():
                 if name == "__metadata__":

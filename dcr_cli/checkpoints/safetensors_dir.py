@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import mmap
 import os
 import struct
@@ -22,10 +21,12 @@ from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from ..format.manifest import TensorEntry
+from ..format.strict_json import load_json
 from ..io import digest_cache
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20
+MAX_INDEX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,12 @@ def safe_child(root: Path, name: str) -> Path:
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """Parse a safetensors header. Returns (header, offset of the data section)."""
+    """Parse a safetensors header. Returns (header, offset of the data section).
+
+    The JSON is read strictly (duplicate keys, deep nesting, huge integers refused) and every tensor
+    entry is type-checked (:func:`check_header_entry`), so callers may use ``dtype``, ``shape`` and
+    ``data_offsets`` as they are. ``__metadata__``, if present, is an object of strings.
+    """
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -64,13 +70,51 @@ def read_header(path: Path) -> tuple[dict, int]:
         raw = f.read(length)
     if len(raw) != length:
         raise FormatError(f"{path}: safetensors header is truncated")
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise FormatError(f"{path}: safetensors header is not valid JSON") from None
+    header = load_json(raw, f"{path}: safetensors header")
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
+    for name, meta in header.items():
+        if name == "__metadata__":
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise FormatError(f"{path}: safetensors __metadata__ must map names to strings")
+        else:
+            check_header_entry(path, name, meta)
     return header, 8 + length
+
+
+def _is_uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0  # bool is an int in Python
+
+
+def check_header_entry(path: Path, name: str, meta: object) -> None:
+    """One tensor entry of a safetensors header: {"dtype": str, "shape": [uint...], "data_offsets": [begin, end]}
+    with ``end - begin`` the byte size of the shape (offsets relative to the data section)."""
+    if not isinstance(meta, dict):
+        raise FormatError(f"{path}: header entry for {name!r} is not an object")
+    dt, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dt, str):
+        raise FormatError(f"{path}: bad header entry for {name!r} (dtype must be a string)")
+    itemsize = lookup_dtype(dt).itemsize
+    if not isinstance(shape, list) or not all(_is_uint(s) for s in shape):
+        raise FormatError(f"{path}: header entry for {name!r} is inconsistent (shape must be non-negative integers)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(x) for x in offsets)):
+        raise FormatError(f"{path}: bad header entry for {name!r} (data_offsets must be two non-negative integers)")
+    begin, end = offsets
+    if end < begin or end - begin != numel(shape) * itemsize:
+        raise FormatError(f"{path}: data of {name!r} is truncated or inconsistent with its shape")
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> file name) of a ``model.safetensors.index.json``, read strictly."""
+    with open(index, "rb") as f:
+        raw = f.read(MAX_INDEX_BYTES + 1)
+    if len(raw) > MAX_INDEX_BYTES:
+        raise FormatError(f"{index}: over the {MAX_INDEX_BYTES} byte limit of a safetensors index")
+    obj = load_json(raw, str(index))
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+        raise FormatError(f"{index}: not a valid safetensors index (needs weight_map: tensor -> file name)")
+    return weight_map
 
 
 class SafetensorsCheckpoint:
@@ -92,12 +136,7 @@ class SafetensorsCheckpoint:
     def _files(self) -> list[Path]:
         index = self.root / INDEX_NAME
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                weight_map = None
-            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-                raise FormatError(f"{index}: not a valid safetensors index (needs weight_map: tensor -> file name)")
+            weight_map = read_index(index)
             return sorted({safe_child(self.root, f) for f in weight_map.values()})
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:

@@ -1,37 +1,87 @@
-"""Pieces every command shares: error handling, JSON output, progress bars."""
+"""Pieces every command shares: the one error -> exit-code path, JSON output, progress bars."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import wraps
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
-from ..errors import DcrError
+from ..errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, DcrError
+
+BUG_HINT = "this is a bug in dcr; please report it with the command line"
 
 
-def _fail(message: str, code: int) -> None:
-    click.echo(f"dcr: error: {message}", err=True)
+def printable(text: str) -> str:
+    """``text`` with control characters (newlines, escape codes), line separators and lone surrogates
+    written as Python escapes, so a hostile name can neither split a line nor reach the terminal."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if code < 0x20 or 0x7F <= code < 0xA0 or 0xD800 <= code < 0xE000 or ch in "\u2028\u2029":
+            out.append(ch.encode("unicode_escape", "backslashreplace").decode("ascii"))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def one_line(text: str) -> str:
+    """A message as one printable line (see :func:`printable`)."""
+    return printable(text).strip() or "(no message)"
+
+
+def exit_code_of(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one stderr line for an exception: THE mapping of every command.
+
+    DcrError -> its own code; OSError -> 2; click usage errors -> 2; an interrupt -> 130;
+    anything else is a bug in dcr -> 70 (EX_SOFTWARE) with a line that says so.
+    """
+    if isinstance(exc, DcrError):
+        return exc.exit_code, f"dcr: error: {one_line(str(exc))}"
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):
+        path = exc.ctx.command_path if exc.ctx is not None else "dcr"
+        return EXIT_BAD_INPUT, f"dcr: error: no command given (see '{path} --help')"
+    if isinstance(exc, click.UsageError):
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        return EXIT_BAD_INPUT, f"dcr: error: {one_line(exc.format_message())}{hint}"
+    if isinstance(exc, click.ClickException):
+        return EXIT_BAD_INPUT, f"dcr: error: {one_line(exc.format_message())}"
+    if isinstance(exc, (KeyboardInterrupt, click.Abort)):
+        return EXIT_INTERRUPTED, "dcr: error: interrupted"
+    if isinstance(exc, OSError):
+        where = exc.filename if exc.filename is not None else "I/O"
+        return EXIT_BAD_INPUT, f"dcr: error: {one_line(f'{exc.strerror or exc} ({where})')}"
+    return EXIT_INTERNAL, f"dcr: internal error: {type(exc).__name__}: {one_line(str(exc))} ({BUG_HINT})"
+
+
+def fail(exc: BaseException) -> NoReturn:
+    """Print the one line for ``exc`` on stderr and exit with its code."""
+    code, line = exit_code_of(exc)
+    if code == EXIT_INTERNAL and os.environ.get("DCR_TRACEBACK"):
+        traceback.print_exception(exc, file=sys.stderr)
+    with contextlib.suppress(OSError):  # stderr is gone (closed pipe): the exit code still tells
+        click.echo(line, err=True)
     sys.exit(code)
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn DcrError (and I/O failures) into one line on stderr and an exit code."""
+    """Route every failure of a command through :func:`fail` (one line on stderr, one exit code)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except DcrError as exc:
-            _fail(str(exc), exc.exit_code)
-        except OSError as exc:
-            _fail(f"{exc.strerror or exc} ({exc.filename or 'I/O'})", 2)
-        except KeyboardInterrupt:
-            _fail("interrupted", 130)
+        except (SystemExit, click.exceptions.Exit):
+            raise
+        except BaseException as exc:
+            fail(exc)
 
     return wrapper
 

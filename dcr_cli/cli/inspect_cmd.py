@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .common import emit_json, handle_errors, human_bytes
+from .common import emit_json, handle_errors, human_bytes, printable
 
 
 @click.command("inspect")
@@ -26,8 +26,9 @@ def command(delta: str, as_json: bool, show_all: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    # Labels, tensor names and reasons come from the manifest: print them verbatim, never as rich markup.
-    title = f"{report.base_version} -> {report.target_version}  (format {report.format_version})"
+    # Labels, tensor names and reasons come from the manifest: print them verbatim, never as rich markup,
+    # and with control characters escaped (a newline in a name must not split its row).
+    title = printable(f"{report.base_version} -> {report.target_version}  (format {report.format_version})")
     table = Table(title=escape(title))
     for col, justify in (
         ("tensor", "left"),
@@ -42,14 +43,14 @@ def command(delta: str, as_json: bool, show_all: bool) -> None:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in report.tensors:
         table.add_row(
-            escape(r.tensor),
-            escape(r.dtype),
+            escape(printable(r.tensor)),
+            escape(printable(r.dtype)),
             f"{r.changed_elements:,}",
             f"{r.change_rate:.2%}",
             ",".join(r.ops) or "-",
             human_bytes(r.payload_bytes),
             f"{r.ratio:.1f}x" if r.ratio else "-",
-            escape(r.residual or ""),
+            escape(printable(r.residual or "")),
         )
     console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: never cut tensor names
     console.print(table)

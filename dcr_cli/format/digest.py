@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 import blake3
 import numpy as np
@@ -17,8 +18,8 @@ _PARALLEL_THRESHOLD = 8 << 20
 def digest_bytes(data: bytes | bytearray | memoryview | np.ndarray) -> str:
     """Digest of a byte string, or of an array's raw little-endian C-order bytes."""
     if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-    size = data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).data
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
     threads = blake3.blake3.AUTO if size >= _PARALLEL_THRESHOLD else 1
     return blake3.blake3(data, max_threads=threads).hexdigest()
 
@@ -31,12 +32,12 @@ class StreamingDigest:
 
     def update(self, data: bytes | memoryview | np.ndarray) -> None:
         if isinstance(data, np.ndarray):
-            data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+            data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).data
         self._h.update(data)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
 
 
-def is_digest(value: object) -> bool:
+def is_digest(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _DIGEST.fullmatch(value) is not None

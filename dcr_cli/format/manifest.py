@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from ..errors import FormatError
 from .digest import is_digest
 from .dtypes import dtype as lookup_dtype
 from .dtypes import numel
+from .strict_json import load_json
 
 FORMAT_NAME = "dcr.delta"
 FORMAT_MAJOR = 1
@@ -30,6 +31,7 @@ BLOCKS_DIR = "blocks"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_BLOCK_BYTES = 1 << 30
 MAX_REGION_ELEMENTS = 1 << 31  # positions are coded as u32 gaps
+MAX_TENSOR_BYTES = (1 << 63) - 1  # a tensor's stored bytes must be addressable with a signed 64-bit offset
 TARGET_BLOCK_BYTES = 64 << 20
 
 Op = Literal["xor", "overwrite", "replace"]
@@ -109,10 +111,13 @@ class Region:
     def from_json(obj: Any, where: str) -> Region:
         if not isinstance(obj, dict):
             raise FormatError(f"{where}: region must be an object")
-        if "offsets" in obj:
+        is_box = "offsets" in obj or "sizes" in obj
+        if is_box and ("start" in obj or "stop" in obj):
+            raise FormatError(f"{where}: a region is a range (start, stop) or a box (offsets, sizes), not both")
+        if is_box:
             offsets, sizes = obj.get("offsets"), obj.get("sizes")
-            if not (_int_list(offsets) and _int_list(sizes)):
-                raise FormatError(f"{where}: box region needs integer lists offsets and sizes")
+            if not (_int_list(offsets) and _int_list(sizes)) or len(offsets) != len(sizes):
+                raise FormatError(f"{where}: box region needs integer lists offsets and sizes of one length")
             return Region.box(offsets, sizes)
         start, stop = obj.get("start"), obj.get("stop")
         if not (_is_int(start) and _is_int(stop)):
@@ -276,13 +281,14 @@ def fingerprint(tensors: dict[str, TensorEntry]) -> str:
 
 
 def parse_manifest(raw: bytes) -> Manifest:
-    """Parse and validate manifest bytes. Raises FormatError with a one-line reason."""
+    """Parse and validate manifest bytes. Raises FormatError with a one-line reason.
+
+    Every field a reader uses is type-checked here (delta-v1 §7.2 step 1), so that nothing
+    downstream meets a value of the wrong type; the JSON itself is read strictly (§8, "JSON").
+    """
     if len(raw) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"manifest is not valid JSON ({exc.__class__.__name__}: truncated or corrupt)") from None
+    obj = load_json(raw, MANIFEST_NAME)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatError('not a dcr delta manifest (missing "format": "dcr.delta")')
     version = obj.get("format_version")
@@ -293,6 +299,11 @@ def parse_manifest(raw: bytes) -> Manifest:
         raise FormatError(
             f"delta format major version {major} is not supported by this dcr (reads {FORMAT_MAJOR}.x); upgrade dcr"
         )
+    if minor < 0:
+        raise FormatError(f"manifest format_version minor {minor} is negative")
+    for key in ("producer", "created"):
+        if key in obj and not isinstance(obj[key], str):
+            raise FormatError(f"manifest {key} must be a string")
 
     base = _version_ref(obj.get("base"), "base")
     target = _version_ref(obj.get("target"), "target")
@@ -309,7 +320,7 @@ def parse_manifest(raw: bytes) -> Manifest:
             raise FormatError(f"{where}: size {b['size']} outside 0..{MAX_BLOCK_BYTES}")
         role = b.get("role", "data")
         if role not in ("data", "repair"):
-            raise FormatError(f"{where}: unknown role {role!r}")
+            raise FormatError(f"{where}: unknown role {_show(role)}")
         blocks.append(BlockEntry(b["id"], b["size"], role))
 
     tensors_raw = obj.get("tensors")
@@ -317,7 +328,7 @@ def parse_manifest(raw: bytes) -> Manifest:
         raise FormatError("manifest tensors must be an object")
     tensors: dict[str, TensorEntry] = {}
     for name, t in tensors_raw.items():
-        where = f"tensor {name!r}"
+        where = f"tensor {_show(name)}"
         if not isinstance(t, dict):
             raise FormatError(f"{where}: must be an object")
         shape = t.get("shape")
@@ -325,7 +336,9 @@ def parse_manifest(raw: bytes) -> Manifest:
             raise FormatError(f"{where}: shape must be a list of non-negative integers")
         if not isinstance(t.get("dtype"), str):
             raise FormatError(f"{where}: dtype must be a string")
-        lookup_dtype(t["dtype"])
+        dt = lookup_dtype(t["dtype"])
+        if numel(shape) * dt.itemsize > MAX_TENSOR_BYTES:
+            raise FormatError(f"{where}: shape {shape} is over the 2^63 byte limit")
         if not is_digest(t.get("digest")):
             raise FormatError(f"{where}: digest must be 64 lowercase hex characters")
         tensors[name] = TensorEntry(t["dtype"], tuple(shape), t["digest"])
@@ -343,8 +356,8 @@ def parse_manifest(raw: bytes) -> Manifest:
         tensors=tensors,
         items=items,
         blocks=blocks,
-        created=str(obj.get("created", "")),
-        producer=str(obj.get("producer", "")),
+        created=obj.get("created", ""),
+        producer=obj.get("producer", ""),
         minor=minor,
         extra={k: v for k, v in obj.items() if k not in known},
     )
@@ -355,21 +368,25 @@ def _item(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[Bl
     if not isinstance(obj, dict):
         raise FormatError(f"{where}: must be an object")
     name = obj.get("tensor")
+    if not isinstance(name, str):
+        raise FormatError(f"{where}: tensor must be a string (a name in the tensor table)")
     if name not in tensors:
-        raise FormatError(f"{where}: tensor {name!r} is not in the tensor table")
+        raise FormatError(f"{where}: tensor {_show(name)} is not in the tensor table")
     entry = tensors[name]
     region = Region.from_json(obj.get("region"), where)
     region.check_within(entry.shape, where)
     op = obj.get("op")
-    if op not in OPS:
-        raise FormatError(f"{where}: unknown op {op!r} (this dcr knows {', '.join(OPS)}); upgrade dcr")
+    if not isinstance(op, str) or op not in OPS:
+        raise FormatError(f"{where}: unknown op {_show(op)} (this dcr knows {', '.join(OPS)}); upgrade dcr")
     count = obj.get("count")
     if not _is_int(count) or not 0 <= count <= region.size:
         raise FormatError(f"{where}: count must be an integer within the region size {region.size}")
     if op == "replace" and count != region.size:
         raise FormatError(f"{where}: a replace item must cover its whole region")
-    data = Section.from_json(obj.get("data"), where + ".data")
-    positions_length = (obj.get("data") or {}).get("positions_length")
+    data_raw = obj.get("data")
+    data = Section.from_json(data_raw, where + ".data")
+    assert isinstance(data_raw, dict)  # Section.from_json refuses anything else
+    positions_length = data_raw.get("positions_length")
     if not _is_int(positions_length) or not 0 <= positions_length <= data.length:
         raise FormatError(f"{where}: data.positions_length must be an integer within data.length")
     if op == "replace" and positions_length != 0:
@@ -393,19 +410,23 @@ def _item(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[Bl
     if not (is_digest(pre) and is_digest(post)):
         raise FormatError(f"{where}: pre and post must be 64 lowercase hex digests")
     residual = obj.get("residual")
+    if residual is not None and not isinstance(residual, str):
+        raise FormatError(f"{where}: residual must be a string")
     changed = obj.get("changed")
+    if changed is not None and not (_is_int(changed) and 0 <= changed <= count):
+        raise FormatError(f"{where}: changed must be an integer within count {count}")
     return Item(
         tensor=name,
         region=region,
-        op=op,
+        op=op,  # type: ignore[arg-type]  # one of OPS, checked above
         count=count,
         data=data,
         positions_length=positions_length,
         pre=pre,
         post=post,
         repair=repair,
-        residual=residual if isinstance(residual, str) else None,
-        changed=changed if op == "replace" and _is_int(changed) and 0 <= changed <= count else None,  # spec §4.4
+        residual=residual,
+        changed=changed if op == "replace" else None,  # spec §4.4: informative, replace only
     )
 
 
@@ -416,14 +437,14 @@ def _check_disjoint(items: list[Item]) -> None:
         by_tensor.setdefault(it.tensor, []).append(it.region)
     for name, regions in by_tensor.items():
         if len({r.is_box for r in regions}) > 1:
-            raise FormatError(f"tensor {name!r}: items mix flat ranges and boxes")
+            raise FormatError(f"tensor {_show(name)}: items mix flat ranges and boxes")
         # Overlap means an element in two items: empty regions hold none.
-        ranges = sorted((r.start, r.stop) for r in regions if not r.is_box and r.size > 0)
+        ranges = sorted((r.start or 0, r.stop or 0) for r in regions if not r.is_box and r.size > 0)
         for (_, stop_a), (start_b, _) in itertools.pairwise(ranges):
             if start_b < stop_a:
-                raise FormatError(f"tensor {name!r}: two items overlap")
+                raise FormatError(f"tensor {_show(name)}: two items overlap")
         if _any_boxes_overlap([r for r in regions if r.is_box and r.size > 0]):
-            raise FormatError(f"tensor {name!r}: two items overlap")
+            raise FormatError(f"tensor {_show(name)}: two items overlap")
 
 
 def _any_boxes_overlap(regions: list[Region]) -> bool:
@@ -460,9 +481,16 @@ def _version_ref(obj: Any, where: str) -> VersionRef:
     return VersionRef(obj["version"], obj["fingerprint"])
 
 
-def _is_int(v: Any) -> bool:
+def _show(value: Any) -> str:
+    """A short, printable rendering of a manifest value for an error message (names may be hostile)."""
+    text = repr(value)
+    text = text[:60] + "…" if len(text) > 60 else text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int_list(v: Any) -> bool:
+def _int_list(v: Any) -> TypeGuard[list[int]]:
     return isinstance(v, list) and all(_is_int(x) for x in v)

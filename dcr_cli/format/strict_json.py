@@ -10,9 +10,11 @@ file, so every caller fails closed with one line (delta-v1 §8, "JSON").
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
+import numba
 import numpy as np
 
 from ..errors import FormatError
@@ -20,19 +22,23 @@ from ..errors import FormatError
 MAX_DEPTH = 64  # nesting levels of arrays and objects; dcr's own documents use at most 6
 MAX_INT_DIGITS = 20  # enough for any 64-bit value
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SUSPECT_ESCAPE = re.compile(rb"\\u(?:[dD][89a-fA-F]|0000)", re.IGNORECASE)
-_OPEN = np.frombuffer(b"[{", dtype=np.uint8)
-_CLOSE = np.frombuffer(b"]}", dtype=np.uint8)
 
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 overflows to Infinity, which JSON cannot express
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
 def _parse_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text)} digits")
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
     return int(text)
 
 
@@ -45,13 +51,37 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _max_depth(raw: np.ndarray) -> int:  # pragma: no cover - compiled
+    """Deepest bracket nesting outside strings: one pass, constant memory, no recursion, no regex
+    (a regex over strings backtracks quadratically on an unterminated string of escaped quotes)."""
+    depth = 0
+    deepest = 0
+    in_string = False
+    escaped = False
+    for i in range(raw.shape[0]):
+        c = raw[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # quote
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c == 0x5B or c == 0x7B:  # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        elif c == 0x5D or c == 0x7D:  # ] }
+            depth -= 1
+    return deepest
+
+
 def _depth(raw: bytes) -> int:
     """Deepest bracket nesting, strings excluded; linear, no recursion."""
-    skeleton = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
-    if skeleton.size == 0:
-        return 0
-    step = np.isin(skeleton, _OPEN).astype(np.int32) - np.isin(skeleton, _CLOSE).astype(np.int32)
-    return int(np.cumsum(step).max(initial=0))
+    return int(_max_depth(np.frombuffer(raw, dtype=np.uint8))) if raw else 0
 
 
 def _check_strings(value: Any) -> None:
@@ -71,11 +101,17 @@ def _check_strings(value: Any) -> None:
             continue
         for s in strings:
             if "\x00" in s:
-                raise ValueError(f"a NUL character in {s!r}")
+                raise ValueError(f"a NUL character in {_excerpt(s)}")
             try:
                 s.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError(f"a lone surrogate in {s.encode('utf-8', 'backslashreplace').decode()!r}") from None
+                raise ValueError(f"a lone surrogate in {_excerpt(s)}") from None
+
+
+def _excerpt(s: str) -> str:
+    """A short, printable rendering of a (hostile) string for an error message."""
+    text = repr(s[:40] + ("…" if len(s) > 40 else ""))
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def load_json(raw: bytes | str, what: str) -> Any:
@@ -89,7 +125,13 @@ def load_json(raw: bytes | str, what: str) -> Any:
     if depth > MAX_DEPTH:
         raise FormatError(f"{what}: JSON nested {depth} levels deep (at most {MAX_DEPTH})")
     try:
-        obj = json.loads(text, object_pairs_hook=_pairs, parse_int=_parse_int, parse_constant=_refuse_constant)
+        obj = json.loads(
+            text,
+            object_pairs_hook=_pairs,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_refuse_constant,
+        )
         if _SUSPECT_ESCAPE.search(data):
             _check_strings(obj)
     except (ValueError, RecursionError) as exc:

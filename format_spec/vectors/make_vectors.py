@@ -134,13 +134,18 @@ def make_bad(basic: Path) -> None:
     shutil.rmtree(bad, ignore_errors=True)
     manifest = json.loads((basic / "delta" / MANIFEST_NAME).read_text())
 
-    def variant(name: str, reason: str, edit_manifest=None, edit_blocks=None) -> None:
+    def variant(name: str, reason: str, edit_manifest=None, edit_blocks=None, edit_text=None) -> None:
         d = bad / name
         shutil.copytree(basic / "delta", d / "delta")
         m = json.loads(json.dumps(manifest))
         if edit_manifest:
             edit_manifest(m)
-        (d / "delta" / MANIFEST_NAME).write_text(json.dumps(m))
+        text = json.dumps(m)
+        if edit_text:  # what json.dumps cannot write: duplicate keys, 1,000 levels, NaN, lone surrogates
+            edited = edit_text(text)
+            assert edited != text, name
+            text = edited
+        (d / "delta" / MANIFEST_NAME).write_bytes(text.encode("utf-8", "surrogatepass"))
         if edit_blocks:
             edit_blocks(d / "delta")
         (d / "reason.txt").write_text(reason + "\n")
@@ -204,6 +209,65 @@ def make_bad(basic: Path) -> None:
         "a values frame is followed by a byte (digests consistent): a section is exactly one zstd frame",
         pad_frame,
         write_padded,
+    )
+
+    # JSON rules (§8, "JSON"). Each breaks one rule and nothing else: a lenient JSON reader accepts it.
+    first_items = json.dumps(manifest["items"])
+    variant(
+        "duplicate-key",
+        'the top-level object has "items" twice (the second drops item 0): an object MUST NOT repeat a member name',
+        edit_text=lambda t: t.replace(
+            '"items": ' + first_items, '"items": ' + first_items + ', "items": ' + json.dumps(manifest["items"][1:])
+        ),
+    )
+    variant(
+        "deep-nesting",
+        "an unknown optional member nests 1000 arrays: nesting is limited to 64 levels, in ignored members too",
+        lambda m: m.__setitem__("x-unknown", "@deep@"),
+        edit_text=lambda t: t.replace('"@deep@"', "[" * 1000 + "]" * 1000),
+    )
+    variant(
+        "huge-integer",
+        "an unknown optional member holds a 4301-digit integer: at most 20 digits, in ignored members too",
+        lambda m: m.__setitem__("x-unknown", "@int@"),
+        edit_text=lambda t: t.replace('"@int@"', "7" * 4301),
+    )
+    variant(
+        "nan-number",
+        "an unknown optional member is NaN: NaN and Infinity are not JSON numbers",
+        lambda m: m.__setitem__("x-unknown", "@nan@"),
+        edit_text=lambda t: t.replace('"@nan@"', "NaN"),
+    )
+    variant(
+        "lone-surrogate",
+        "a tensor name holds the unpaired escape \\ud800: strings MUST be valid Unicode (no lone surrogates)",
+        edit_text=lambda t: t.replace('"f16.zeros"', '"f16.\\ud800zeros"'),
+    )
+    variant(
+        "nul-in-string",
+        "the target version label holds \\u0000: strings MUST NOT contain NUL",
+        edit_text=lambda t: t.replace('"version": "v1"', '"version": "v\\u00001"'),
+    )
+    variant(
+        "tensor-not-a-string",
+        "items[0].tensor is an object: every field has its type (§4.4), tensor is a string",
+        lambda m: m["items"][0].__setitem__("tensor", {"name": m["items"][0]["tensor"]}),
+    )
+    variant(
+        "bool-as-integer",
+        "items[3].count is true: true and false are not integers",
+        lambda m: m["items"][3].__setitem__("count", True),
+    )
+    variant(
+        "float-as-integer",
+        "items[3].count is written 2.0: an integer has no fraction or exponent",
+        lambda m: m["items"][3].__setitem__("count", "@float@"),
+        edit_text=lambda t: t.replace('"@float@"', "2.0"),
+    )
+    variant(
+        "region-of-both-kinds",
+        "items[0].region has start/stop and offsets/sizes: a region is a range or a box, not both (§4.5)",
+        lambda m: m["items"][0]["region"].update({"offsets": [0, 0], "sizes": [4, 8]}),
     )
 
 
