@@ -12,7 +12,7 @@ from ._version import __version__ as __version__
 
 _API = {
     # producer
-    "diff": "produce.engine",
+    "diff": "produce",
     "assemble": "delta.parts",
     "inspect": "delta.inspect",
     # receivers

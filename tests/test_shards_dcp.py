@@ -162,7 +162,6 @@ def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates
 ) -> None:
     import shutil
 
-    from dcr_cli.produce import shards as shard_diff
     from dcr_cli.checkpoints import open_source
     from dcr_cli.checkpoints.shards import ShardCheckpoint
 
@@ -171,13 +170,13 @@ def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates
     shutil.copytree(fsdp / "base" / sub, base)
     shutil.copytree(fsdp / "target" / sub, target)
     hashed: list[str] = []
-    digest = shard_diff.canonical_digest
+    digest = ShardCheckpoint.canonical_digest
 
     def counting(ckpt: ShardCheckpoint, name: str) -> str:
         hashed.append(f"{Path(ckpt.root).name}:{name}")
         return digest(ckpt, name)
 
-    monkeypatch.setattr(shard_diff, "canonical_digest", counting)
+    monkeypatch.setattr(ShardCheckpoint, "canonical_digest", counting)
     diff(base, target, tmp_path / "d1", workers=1)
     tensors = len(open_source(target).canonical)
     assert len(hashed) == 2 * tensors  # nothing cached yet: both sides hashed
