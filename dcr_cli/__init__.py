@@ -13,6 +13,9 @@ from ._version import __version__ as __version__
 _API = {
     # producer
     "diff": "produce",
+    "diff_tensors": "produce.live",
+    "Producer": "api",
+    "LiveShard": "produce.live",
     "assemble": "delta.parts",
     "inspect": "delta.inspect",
     # receivers

@@ -127,3 +127,10 @@ def from_storage_class(storage_class: str) -> str | None:
         "Float8_e4m3fnStorage": "F8_E4M3",
         "Float8_e5m2Storage": "F8_E5M2",
     }.get(storage_class)
+
+
+def torch_int(itemsize: int) -> torch.dtype:
+    """torch's signed integer dtype of ``itemsize`` bytes: the same bits, with every torch op defined."""
+    import torch
+
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]

@@ -125,14 +125,14 @@ def execute(
     """Run the plan's units on a thread pool and write their items in plan order.
 
     Returns the summary of the delta, or None when the plan is a part (``plan.rank``).
-    ``base_digests``/``target_digests`` are digests already known (e.g. by a live producer);
-    otherwise the sides' digest caches are asked.
+    ``base_digests``/``target_digests`` are digests already known (e.g. by a live producer), and
+    are completed in place with those the units compute; without them the sides' caches are asked.
     """
     workers = workers or default_workers()
     scan = scan or numpy_scan(level)
     # In a stream, the base was the previous diff's target: its digests are usually cached.
-    b_digests = base.cached_digests() if base_digests is None else dict(base_digests)
-    n_digests = new.cached_digests() if target_digests is None else dict(target_digests)
+    b_digests = base.cached_digests() if base_digests is None else base_digests
+    n_digests = new.cached_digests() if target_digests is None else target_digests
 
     def range_task(u: RangeUnit) -> list[EncodedItem]:
         item = scan(u.name, Region.range(u.start, u.stop), base.flat(u.name, u.start, u.stop),
