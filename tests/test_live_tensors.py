@@ -162,3 +162,58 @@ def test_a_producer_that_crashes_between_diff_and_commit_resumes(tmp_path: Path)
     assert read_bits(receiver) == read_bits(write_checkpoint(tmp_path / "hf-2", states[2]))
     producer.committed("step-2")
     assert not np.array_equal(states[1]["1.weight"].float().numpy(), states[2]["1.weight"].float().numpy())
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def scan_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both scans: the compiled kernel (CPU tensors) and the torch path that CUDA tensors take."""
+    import dcr_cli.produce.live as live
+
+    monkeypatch.setattr(live, "CPU_KERNEL", request.param == "kernel")
+    return str(request.param)
+
+
+def test_both_scan_paths_give_the_delta_of_the_hf_checkpoints(tmp_path: Path, scan_path: str) -> None:
+    base, new = model_pair()
+    a, b = write_checkpoint(tmp_path / "a", base), write_checkpoint(tmp_path / "b", new)
+    dcr_cli.diff(a, b, tmp_path / "files")
+    dcr_cli.diff_tensors(base, new, tmp_path / "live")
+    assert manifest_without_created(tmp_path / "live") == manifest_without_created(tmp_path / "files")
+
+
+def boxes(t: torch.Tensor, cols: int) -> list[dcr_cli.LiveShard]:
+    """A 2-D tensor as column boxes (as a row-parallel layer's shards): strided, never a flat range."""
+    return [
+        dcr_cli.LiveShard(t[:, c : c + cols], (0, c), tuple(t.shape)) for c in range(0, t.shape[1], cols)
+    ] if t.dim() == 2 else [dcr_cli.LiveShard(t, (0,) * t.dim(), tuple(t.shape))]  # fmt: skip
+
+
+def test_live_shard_boxes_apply_exactly_and_commit_advances_strided_baselines(tmp_path: Path, scan_path: str) -> None:
+    states = adam_steps(3)
+    receiver = write_checkpoint(tmp_path / "receiver", states[0])
+    as_boxes = [{k: boxes(v, 5) for k, v in s.items()} for s in states]
+    producer = dcr_cli.Producer(tmp_path / "deltas", baseline=as_boxes[0], base_version="step-0")
+    for step in (1, 2, 3):
+        producer.diff(as_boxes[step], version=f"step-{step}")
+        manifest = Delta.open(tmp_path / "deltas" / f"step-{step}").manifest
+        assert any(item.region.is_box for item in manifest.items)
+        dcr_cli.apply(tmp_path / "deltas" / f"step-{step}", into=receiver)
+        assert read_bits(receiver) == read_bits(write_checkpoint(tmp_path / f"hf-{step}", states[step]))
+        producer.committed(f"step-{step}")
+
+
+def test_a_scan_records_what_advances_a_strided_baseline_band(scan_path: str) -> None:
+    from dcr_cli.format.manifest import Region
+    from dcr_cli.produce.live import advance, torch_scan
+
+    g = torch.Generator().manual_seed(3)
+    baseline = torch.randint(-(2**15), 2**15, (6, 10), generator=g, dtype=torch.int16)
+    target = baseline.clone()
+    target[1, 2], target[4, 7], target[5, 9] = 1, 2, 3
+    band = baseline[1:6, 2:10]  # strided: a piece of a chunk (e.g. a QKV row block of one group)
+    assert not band.is_contiguous()
+    changes: list = []
+    item = torch_scan(None, changes.append)("t", Region.box((0, 0), (5, 8)), band, target[1:6, 2:10], "xor", None)
+    assert item is not None and item.count == 3
+    advance(changes)
+    assert torch.equal(baseline[1:6, 2:10], target[1:6, 2:10]) and torch.equal(baseline, target)

@@ -41,6 +41,7 @@ from ..format.codec import DEFAULT_LEVEL, EncodedItem, encode_changes
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import from_torch, numel, torch_int
+from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry
 from .engine import execute
 from .plan import Plan, assign_tensors, check_compatible, check_layouts, plan_shards, plan_tensors
@@ -273,23 +274,38 @@ def gather_digests(ckpt: ShardCheckpoint, group: _Group, names: Sequence[str] | 
     return out
 
 
+# Tensors on the CPU are scanned by the compiled kernel (False: by the torch path a GPU takes; tests).
+CPU_KERNEL = True
 # A scanned band: (base band view, positions, new values), kept to advance a baseline on commit.
 Change = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]
 
 
 def torch_scan(level: int | None, record: Callable[[Change], None] | None = None) -> Any:
-    """The device scan: compare, positions and XOR values with torch integer views; encode on the CPU."""
+    """The device scan: compare, positions and XOR values with torch integer views; encode on the CPU.
+
+    Tensors on the CPU are scanned in place by the compiled kernel (``format.kernels``), through
+    zero-copy numpy views: the same bits, at the file path's speed.
+    """
     import torch
 
     def scan(name: str, region: Region, base: Any, new: Any, op: Op, residual: str | None) -> EncodedItem | None:
-        view = base
+        uint = np.dtype(f"<u{new.element_size()}")
+        if CPU_KERNEL and base.device.type == "cpu" and new.device.type == "cpu":
+            b_np = base.reshape(-1).numpy().view(uint)
+            n_np = new.reshape(-1).numpy().view(uint)
+            positions_np, masks_np, news_np = scan_changes(b_np, n_np)
+            if record is not None and len(positions_np):
+                record((base, torch.from_numpy(positions_np), torch.from_numpy(news_np.view(f"<i{uint.itemsize}"))))
+            return encode_changes(
+                name, region, positions_np, masks_np, news_np, len(n_np), lambda: (b_np, n_np), op=op, level=level,
+                residual=residual,
+            )  # fmt: skip
         b = base.to(new.device, non_blocking=True).reshape(-1)
         n = new.reshape(-1)
         positions = torch.nonzero(b != n).reshape(-1)
-        if record is not None and len(positions):
-            record((view, positions.to(torch.int32 if len(n) < 2**31 else torch.int64), n[positions]))
-        uint = np.dtype(f"<u{n.element_size()}")
         news = n[positions]
+        if record is not None and len(positions):
+            record((base, positions.to(base.device), news.to(base.device)))
         masks = b[positions] ^ news
 
         def dense() -> tuple[np.ndarray, np.ndarray]:
@@ -664,21 +680,26 @@ class Producer:
 
     def committed(self, version: str) -> None:
         """``version`` is committed (every receiver acknowledged it): it becomes the baseline."""
-        import torch
-
         if version not in self._pending:
             raise IncompatibleError(f"version {version!r} was not the last one diffed; nothing to commit")
         changes, digests = self._pending.pop(version)
-        with torch.no_grad():
-            for view, positions, values in changes:
-                if view.is_contiguous():
-                    view.reshape(-1)[positions.to(view.device).long()] = values.to(view.device)
-                else:
-                    index = torch.unravel_index(positions.to(view.device).long(), view.shape)
-                    view[index] = values.to(view.device)
+        advance(changes)
         self._pending.clear()
         self._base_digests = digests
         self.base_version = version
+
+
+def advance(changes: list[Change]) -> None:
+    """Write each scanned band's new values into the baseline band it was compared with (a view)."""
+    import torch
+
+    with torch.no_grad():
+        for view, positions, values in changes:
+            index = positions.to(view.device).long()
+            if view.is_contiguous():
+                view.view(-1)[index] = values.to(view.device)
+            else:
+                view[torch.unravel_index(index, view.shape)] = values.to(view.device)
 
 
 def _fill(buf: torch.Tensor, host: np.ndarray) -> None:
