@@ -85,10 +85,10 @@ def main() -> None:
     import torch
     from checkpoints import write_checkpoint
 
-    import dcr_cli
     from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
     from dcr_cli.format.digest import digest_bytes
-    from dcr_cli.produce.live import _int_view
+    from dcr_cli.produce import diff
+    from dcr_cli.produce.live import _int_view, diff_tensors
 
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="dcr-bench-live-"))
     os.environ.setdefault("DCR_CACHE_DIR", str(scratch / "cache"))
@@ -126,12 +126,12 @@ def main() -> None:
 
     def live() -> None:
         out = scratch / f"live-{next(counter)}"
-        dcr_cli.diff_tensors(base_d, new_d, out, base_digests=base_digests, workers=args.workers,
+        diff_tensors(base_d, new_d, out, base_digests=base_digests, workers=args.workers,
                              base_version="a", target_version="b")  # fmt: skip
 
     def file() -> None:
         out = scratch / f"file-{next(counter)}"
-        dcr_cli.diff(a, b, out, workers=args.workers, base_version="a", target_version="b")
+        diff(a, b, out, workers=args.workers, base_version="a", target_version="b")
         # the target was hashed: forget it, so that each run is in the stream state
         shutil.rmtree(scratch / "cache", ignore_errors=True)
         with SafetensorsCheckpoint(a) as ck:
