@@ -41,7 +41,8 @@ from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.format.codec import diff_region
 from dcr_cli.format.dtypes import dtype as lookup_dtype
 from dcr_cli.format.manifest import Region
-from dcr_cli.produce.engine import chunk_ranges, diff
+from dcr_cli.produce import diff
+from dcr_cli.produce.plan import chunk_ranges
 
 
 def entropy_bound_bytes(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> float:

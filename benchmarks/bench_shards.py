@@ -87,7 +87,7 @@ _HWM = (
     "atexit.register(report)\n"
     "sys.argv = sys.argv[1:]\n"
     "if sys.argv == ['--import-only']:\n"
-    "    import torch.distributed.checkpoint, dcr_cli.produce.shards, dcr_cli.checkpoints.dcp\n"
+    "    import torch.distributed.checkpoint, dcr_cli.produce.engine, dcr_cli.checkpoints.dcp\n"
     "else:\n"
     "    runpy.run_module(sys.argv[0], run_name='__main__')\n"
 )

@@ -12,7 +12,10 @@ from ._version import __version__ as __version__
 
 _API = {
     # producer
-    "diff": "produce.engine",
+    "diff": "produce",
+    "diff_tensors": "produce.live",
+    "Producer": "api",
+    "LiveShard": "produce.live",
     "assemble": "delta.parts",
     "inspect": "delta.inspect",
     # receivers

@@ -230,10 +230,11 @@ def test_large_tensor_is_split_into_items_and_round_trips(tmp_path: Path, dcr, m
     changed[idx] ^= 1
     a = write_checkpoint(tmp_path / "a", {"big": tensor_from_bits(bits, "BF16", (3 << 10, 1 << 10))})
     b = write_checkpoint(tmp_path / "b", {"big": tensor_from_bits(changed, "BF16", (3 << 10, 1 << 10))})
-    import dcr_cli.produce.engine as diff_module
+    import dcr_cli.produce.plan as plan_module
+    from dcr_cli.produce import diff
 
-    monkeypatch.setattr(diff_module, "CHUNK_BYTES", 1 << 20)
-    summary = diff_module.diff(a, b, tmp_path / "d", workers=2)
+    monkeypatch.setattr(plan_module, "CHUNK_BYTES", 1 << 20)
+    summary = diff(a, b, tmp_path / "d", workers=2)
     manifest = Delta.open(tmp_path / "d").manifest
     assert len(manifest.items) == 6 and summary.changed_elements == 50_000
     assert apply_in_memory(tmp_path / "d", read_bits(a)) == read_bits(b)

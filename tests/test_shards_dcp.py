@@ -164,20 +164,19 @@ def test_a_stream_hashes_each_training_checkpoint_once_and_a_rewrite_invalidates
 
     from dcr_cli.checkpoints import open_source
     from dcr_cli.checkpoints.shards import ShardCheckpoint
-    from dcr_cli.produce import shards as shard_diff
 
     monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
     base, target = tmp_path / "base", tmp_path / "target"
     shutil.copytree(fsdp / "base" / sub, base)
     shutil.copytree(fsdp / "target" / sub, target)
     hashed: list[str] = []
-    digest = shard_diff.canonical_digest
+    digest = ShardCheckpoint.canonical_digest
 
     def counting(ckpt: ShardCheckpoint, name: str) -> str:
         hashed.append(f"{Path(ckpt.root).name}:{name}")
         return digest(ckpt, name)
 
-    monkeypatch.setattr(shard_diff, "canonical_digest", counting)
+    monkeypatch.setattr(ShardCheckpoint, "canonical_digest", counting)
     diff(base, target, tmp_path / "d1", workers=1)
     tensors = len(open_source(target).canonical)
     assert len(hashed) == 2 * tensors  # nothing cached yet: both sides hashed

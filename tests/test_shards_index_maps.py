@@ -30,7 +30,8 @@ from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import FormatError, IncompatibleError
 from dcr_cli.format.digest import digest_bytes
 from dcr_cli.format.manifest import Region
-from dcr_cli.produce.shards import check_compatible, diff_shard_checkpoints
+from dcr_cli.produce.engine import execute
+from dcr_cli.produce.plan import check_compatible, plan_shards
 
 
 class ArrayReader(ShardReader):
@@ -167,7 +168,7 @@ def test_assemble_resumes_after_a_crash_midway(tmp_path: Path) -> None:
     cb, cn = ShardCheckpoint(b, identity_canonical(b), "t"), ShardCheckpoint(n, identity_canonical(n), "t")
     out = tmp_path / "d"
     for rank in range(3):
-        diff_shard_checkpoints(cb, cn, out, rank=rank, world_size=3)
+        execute(plan_shards(cb, cn, rank=rank, world_size=3), cb, cn, out)
     # crash after some blocks moved: the first part's blocks are already in OUT/blocks
     first = sorted((out / PARTS_DIR).iterdir())[0]
     (out / "blocks").mkdir()

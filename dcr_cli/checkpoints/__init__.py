@@ -52,14 +52,14 @@ def open_source(path: str | os.PathLike[str], format: str | None = None, profile
         from .safetensors_dir import SafetensorsCheckpoint
 
         return SafetensorsCheckpoint(path)
-    from .shards import ShardCheckpoint, identity_canonical
+    from .shards import ShardCheckpoint, ShardReader, identity_canonical
 
     selection = profile or {}
     include, strip = tuple(selection.get("include") or ()), str(selection.get("strip_prefix") or "")
     if fmt == "dcp":
         from .dcp import DcpReader
 
-        reader = DcpReader(path)
+        reader: ShardReader = DcpReader(path)
         return ShardCheckpoint(reader, identity_canonical(reader, include, strip), "dcp")
     if fmt == "dcp-hf":
         from .dcp_hf import DcpHfReader

@@ -25,52 +25,30 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError, IncompatibleError
-from ..format.dtypes import TORCH_NAMES
 from ..format.dtypes import dtype as lookup_dtype
+from ..format.dtypes import from_storage_class, from_torch, torch_uint
 from .safetensors_dir import safe_child
 from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint, release_pages
 
 METADATA_NAME = ".metadata"
 
-# The inverse of format.dtypes.TORCH_NAMES, spelled as str(torch.dtype) prints it.
-_TORCH_TO_ST = {f"torch.{torch_name}": name for name, torch_name in TORCH_NAMES.items()}
-
 
 def st_dtype(torch_dtype: object) -> str:
     try:
-        return _TORCH_TO_ST[str(torch_dtype)]
-    except KeyError:
+        return from_torch(torch_dtype).name
+    except FormatError:
         raise FormatError(f"unsupported dtype {torch_dtype} in a distributed checkpoint") from None
 
 
 def uint_view(tensor: object) -> np.ndarray:
     """Stored bits of a CPU tensor as a numpy unsigned-integer array (a reinterpretation, no conversion)."""
-    import torch
-
     t = tensor.detach().contiguous()  # type: ignore[attr-defined]
     width = t.element_size()
-    as_uint = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[width]
-    return t.view(as_uint).numpy().view(f"<u{width}")
+    return t.view(torch_uint(width)).numpy().view(f"<u{width}")
 
 
 def is_dcp_dir(path: Path) -> bool:
     return (path / METADATA_NAME).is_file()
-
-
-_STORAGE_DTYPES = {
-    "BFloat16Storage": "BF16",
-    "HalfStorage": "F16",
-    "FloatStorage": "F32",
-    "DoubleStorage": "F64",
-    "CharStorage": "I8",
-    "ByteStorage": "U8",
-    "ShortStorage": "I16",
-    "IntStorage": "I32",
-    "LongStorage": "I64",
-    "BoolStorage": "BOOL",
-    "Float8_e4m3fnStorage": "F8_E4M3",
-    "Float8_e5m2Storage": "F8_E5M2",
-}
 
 
 class _Window(io.RawIOBase):
@@ -105,8 +83,8 @@ class _RecordUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return lambda storage, offset, size, stride, *_: ("tensor", storage, offset, tuple(size), tuple(stride))
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+        if module == "torch" and from_storage_class(name):
+            return from_storage_class(name)
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
         raise pickle.UnpicklingError(f"unexpected {module}.{name}")

@@ -53,10 +53,12 @@ def fp8_convert(src: str, block: tuple[int, int], part: str) -> Callable[[np.nda
     """Residual conversion: stored ``src`` bits of a 2-D weight -> canonical bits of ``part`` ("weight" | "scale")."""
     import torch
 
-    torch_of = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    from ..format.dtypes import to_torch
+
+    source = to_torch(src)
 
     def convert(stored: np.ndarray) -> np.ndarray:
-        w = torch.from_numpy(np.ascontiguousarray(stored)).view(torch_of[src])
+        w = torch.from_numpy(np.ascontiguousarray(stored)).view(source)
         q, scale = fp8_block_quantize(w, block)
         if part == "weight":
             return q.view(torch.uint8).numpy()

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, IncompatibleError
+from ..format.dtypes import from_torch, to_torch, torch_uint
 from .fp8 import DEFAULT_BLOCK, fp8_convert, scale_shape
 from .shards import CanonicalTensor, Segment, ShardReader, StoredTensor
 
@@ -67,21 +68,29 @@ def load_profile(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     return profile
 
 
-_HF_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+RESIDUAL_DTYPES = ("BF16", "F16", "F32")  # the float dtypes a residual conversion reads and writes
+
+
+def _hf_dtype(config: dict[str, Any]) -> str | None:
+    """The checkpoint dtype the HF config names (torch_dtype / dtype), if it is one dcr converts to."""
+    try:
+        name = from_torch(str(config.get("torch_dtype") or config.get("dtype") or "")).name
+    except FormatError:
+        return None
+    return name if name in RESIDUAL_DTYPES else None
 
 
 def _cast(src: str, dst: str, add_one: bool) -> Callable[[np.ndarray], np.ndarray]:
-    import torch
-
-    torch_of = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-    uint_of = {2: torch.uint16, 4: torch.uint32}
+    source, target = to_torch(src), to_torch(dst)
 
     def convert(stored: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy(np.ascontiguousarray(stored)).view(torch_of[src])
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(stored)).view(source)
         if add_one:
             t = t.float() + 1.0
-        out = t.to(torch_of[dst])
-        return out.view(uint_of[out.element_size()]).numpy().view(f"<u{out.element_size()}")
+        out = t.to(target)
+        return out.view(torch_uint(out.element_size())).numpy().view(f"<u{out.element_size()}")
 
     return convert
 
@@ -105,7 +114,7 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
         vocab = int(config["vocab_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise IncompatibleError(f"Megatron profile lacks a model dimension: {exc}") from None
-    hf_dtype = _HF_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or ""))
+    hf_dtype = _hf_dtype(config)
     tied = bool(config.get("tie_word_embeddings", False))
     experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     heads_per_group = heads // groups
@@ -281,5 +290,5 @@ def tied_duplicates(reader: ShardReader, config: dict[str, Any]) -> list[tuple[s
 
 
 def check_dtype_support(dt: str) -> None:
-    if dt not in ("BF16", "F16", "F32"):
+    if dt not in RESIDUAL_DTYPES:
         raise FormatError(f"Megatron residual conversion from {dt} is not supported")

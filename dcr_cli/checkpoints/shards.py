@@ -28,16 +28,19 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import FormatError, IncompatibleError
+from ..format.digest import StreamingDigest
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from ..format.manifest import TensorEntry
 from ..io import digest_cache
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+BAND_BYTES = 16 << 20  # canonical row bands assembled at once (digests, tied checks)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file: str  # relative file name; the unit of work of one producer process
-    location: object = field(compare=False, hash=False, default=None)
+    location: Any = field(compare=False, hash=False, default=None)
 
     @property
     def numel(self) -> int:
@@ -188,6 +191,7 @@ class ShardCheckpoint:
                     raise IncompatibleError(f"{reader.root}: profile needs stored tensor {seg.key!r}, which is missing")
                 self.segments_by_key.setdefault(seg.key, []).append(seg)
         self._check_cover()
+        self._chunk_index: dict[tuple[str, tuple[int, ...]], Chunk] | None = None
         self._cache_key = self._digest_cache_key()  # taken before any hashing (see digest_cache)
 
     @property
@@ -288,6 +292,52 @@ class ShardCheckpoint:
     def index_pieces(self, key: str, chunk: Chunk) -> list[Piece]:
         segs = [s for s in self.segments_by_key.get(key, []) if self.canonical[s.name].residual is None]
         return chunk_pieces(chunk, segs)
+
+    # ----- what a diff reads of one side: chunks, canonical digests, residual values, tied checks
+    def own_chunk(self, key: str, chunk: Chunk) -> Chunk:
+        """This checkpoint's chunk at the same offsets as ``chunk`` (which may come from the other side)."""
+        if self._chunk_index is None:
+            self._chunk_index = {(k, c.offsets): c for k, st in self.reader.stored.items() for c in st.chunks}
+        return self._chunk_index[(key, chunk.offsets)]
+
+    def read_chunk(self, key: str, chunk: Chunk) -> np.ndarray:
+        return self.reader.read_chunk(key, self.own_chunk(key, chunk))
+
+    def release(self, key: str, chunk: Chunk) -> None:
+        self.reader.release(key, self.own_chunk(key, chunk))
+
+    def canonical_digest(self, name: str) -> str:
+        """BLAKE3 of canonical tensor ``name``'s stored bytes in C order, read band by band from the chunks."""
+        digest = StreamingDigest()
+        runs = self.row_runs(name)
+        if runs is not None:  # row-sharded: stream zero-copy chunk views, nothing assembled
+            for key, chunk, slices in runs:
+                digest.update(np.ascontiguousarray(self.reader.read_chunk(key, chunk)[slices]))
+                self.reader.release(key, chunk)
+            return digest.hexdigest()
+        cache = ChunkCache(self.reader)
+        for rows in self.band_rows(name, BAND_BYTES):
+            digest.update(self.assemble(name, rows, cache))
+        cache.clear()
+        return digest.hexdigest()
+
+    def converted(self, name: str) -> np.ndarray:
+        """A residual tensor's canonical bits, flat: assembled from its source (bounded by it), then converted."""
+        t = self.canonical[name]
+        assert t.convert is not None
+        return t.convert(self.assemble(name)).reshape(-1)
+
+    def check_tied(self, key: str, name: str) -> None:
+        """The stored duplicate ``key`` must equal canonical ``name`` (a tied copy), band by band."""
+        dup = self.duplicate_view(key, name)
+        cache = ChunkCache(self.reader)
+        for rows in self.band_rows(name, BAND_BYTES):
+            if not np.array_equal(self.assemble(dup, rows, cache), self.assemble(name, rows, cache)):
+                raise IncompatibleError(
+                    f"{self.root}: {key} should be a tied copy of {name} but differs (rows {rows[0]}..);"
+                    " the HF checkpoint cannot represent it: untie the profile (tie_word_embeddings false)"
+                )
+        cache.clear()
 
     # ----- assembly (bounded): canonical row bands, for digests and the residual path
     def band_rows(self, name: str, max_bytes: int) -> list[tuple[int, int]]:

@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-from .common import byte_progress, emit_json, handle_errors, human_bytes
+from ..checkpoints import FORMATS as FORMAT_CHOICES
+from .common import emit_json, handle_errors, human_bytes
 from .store_options import parse_storage_options, storage_options
 
-FORMAT_CHOICES = ("hf", "dcp", "dcp-hf", "megatron")
+Counter = Callable[[int], None]
+
+
+@contextmanager
+def _progress_bar(
+    label: str, enabled: bool
+) -> Iterator[tuple[Callable[[int], None] | None, Callable[[int], None] | None]]:
+    """(set the total, advance) of a progress bar on a terminal; (None, None) otherwise (cron, pipes)."""
+    if not enabled or not sys.stderr.isatty():
+        yield None, None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), transient=True
+    ) as bar:
+        task = bar.add_task(label, total=None)
+        yield (lambda n: bar.update(task, total=n)), (lambda n: bar.advance(task, n))
 
 
 def _env_int(name: str) -> int | None:
@@ -100,9 +121,8 @@ def command(
     (PyTorch DCP, DCP's HF shards, Megatron torch_dist); training checkpoints are
     read shard by shard and the delta is in HF (canonical) coordinates.
     """
-    from ..checkpoints import detect_format
     from ..errors import IncompatibleError
-    from ..produce.engine import diff
+    from ..produce import diff
 
     rank = rank if rank is not None else _env_int("RANK")
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
@@ -122,13 +142,7 @@ def command(
         config = load_profile(profile)
     elif include or strip_prefix:
         config = {"include": list(include), "strip_prefix": strip_prefix or ""}
-    total = 0
-    if (fmt or detect_format(new)) == "hf":
-        from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
-
-        with SafetensorsCheckpoint(new) as ckpt:
-            total = sum(t.nbytes for t in ckpt.tensors.values())
-    with byte_progress(total, "diff", progress and total > 0) as advance:
+    with _progress_bar("diff", progress) as (set_total, advance):
         summary = diff(
             base,
             new,
@@ -144,6 +158,7 @@ def command(
             rank=rank,
             world_size=world_size,
             on_block=uploader,
+            progress_total=set_total,
         )
     pushed = None
     if uploader is not None:

@@ -13,6 +13,7 @@ what lets zstd get close to the entropy of the change.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,6 +192,31 @@ def diff_region(
     if base.dtype != new.dtype or base.shape != new.shape:
         raise ValueError("base and new must be same-shape views of one dtype")
     positions, masks, changed_new = scan_changes(base, new)
+    return encode_changes(
+        tensor, region, positions, masks, changed_new, len(base), lambda: (base, new), op=op, level=level,
+        residual=residual,
+    )  # fmt: skip
+
+
+def encode_changes(
+    tensor: str,
+    region: Region,
+    positions: np.ndarray,
+    masks: np.ndarray,
+    changed_new: np.ndarray,
+    size: int,
+    dense: Callable[[], tuple[np.ndarray, np.ndarray]],
+    *,
+    op: Op = "xor",
+    level: int | None = DEFAULT_LEVEL,
+    residual: str | None = None,
+) -> EncodedItem | None:
+    """Encode a scanned change of a region of ``size`` elements (what ``diff_region`` does after its scan).
+
+    ``positions`` (increasing, region-local), ``masks`` (base XOR new) and ``changed_new`` are the
+    changed elements, however they were found (the numba kernel, or torch on the tensors' device);
+    ``dense()`` returns the region's whole flat (base, new), needed only for the dense trial.
+    """
     count = len(positions)
     if count == 0:
         return None
@@ -209,8 +235,9 @@ def diff_region(
         repair=repair,
         residual=residual,
     )
-    if count < DENSE_TRIAL_RATE * len(base):
+    if count < DENSE_TRIAL_RATE * size:
         return sparse
+    base, new = dense()
     dense_frame = encode_values(new, level)
     if len(dense_frame) >= len(sparse.data):
         return sparse

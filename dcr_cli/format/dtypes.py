@@ -8,8 +8,12 @@ other bit pattern survive unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import FormatError
 
@@ -80,3 +84,53 @@ def numel(shape: tuple[int, ...] | list[int]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+# ----- torch spellings (lookups for the checkpoint readers and live tensors; torch is imported lazily)
+def from_torch(torch_dtype: object) -> DType:
+    """The dtype of a torch dtype (``torch.bfloat16``) or of its name ("bfloat16", "torch.bfloat16")."""
+    name = str(torch_dtype).removeprefix("torch.")
+    for st_name, torch_name in TORCH_NAMES.items():
+        if torch_name == name:
+            return _DTYPES[st_name]
+    raise FormatError(f"unsupported dtype {torch_dtype}; dcr v1 supports {', '.join(SUPPORTED)}")
+
+
+def to_torch(name: str) -> torch.dtype:
+    """The torch dtype of a stored dtype ("BF16" -> torch.bfloat16)."""
+    import torch
+
+    out: torch.dtype = getattr(torch, TORCH_NAMES[dtype(name).name])
+    return out
+
+
+def torch_uint(itemsize: int) -> torch.dtype:
+    """torch's unsigned integer dtype of ``itemsize`` bytes: the view dcr compares and writes through."""
+    import torch
+
+    return {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[itemsize]
+
+
+def from_storage_class(storage_class: str) -> str | None:
+    """The stored dtype of a torch.save storage class name ("BFloat16Storage" -> "BF16"), or None."""
+    return {
+        "BFloat16Storage": "BF16",
+        "HalfStorage": "F16",
+        "FloatStorage": "F32",
+        "DoubleStorage": "F64",
+        "CharStorage": "I8",
+        "ByteStorage": "U8",
+        "ShortStorage": "I16",
+        "IntStorage": "I32",
+        "LongStorage": "I64",
+        "BoolStorage": "BOOL",
+        "Float8_e4m3fnStorage": "F8_E4M3",
+        "Float8_e5m2Storage": "F8_E5M2",
+    }.get(storage_class)
+
+
+def torch_int(itemsize: int) -> torch.dtype:
+    """torch's signed integer dtype of ``itemsize`` bytes: the same bits, with every torch op defined."""
+    import torch
+
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]

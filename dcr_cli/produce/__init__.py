@@ -1,4 +1,7 @@
-"""Producers: turn two states of a model (checkpoints, trainer shards) into a delta."""
+"""Producers: turn two states of a model (checkpoints, trainer shards, live tensors) into a delta.
+
+plan.py plans a diff from metadata; engine.py executes any plan over two sides.
+"""
 
 from .engine import diff
 
