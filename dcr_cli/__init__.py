@@ -15,6 +15,7 @@ _API = {
     "diff": "produce.engine",
     "assemble": "delta.parts",
     "inspect": "delta.inspect",
+    "squash": "delta.squash",
     # receivers
     "apply": "receive.checkpoint",
     "verify": "receive.verify",

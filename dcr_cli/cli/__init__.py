@@ -32,6 +32,7 @@ def _register() -> None:
         log_cmd,
         pull_cmd,
         push_cmd,
+        squash_cmd,
         status_cmd,
         verify_cmd,
     )
@@ -50,6 +51,7 @@ def _register() -> None:
         log_cmd,
         gc_cmd,
         check_cmd,
+        squash_cmd,
     ):
         main.add_command(module.command)
 
