@@ -26,6 +26,7 @@ def _register() -> None:
         assemble_cmd,
         check_cmd,
         commit_cmd,
+        compact_cmd,
         diff_cmd,
         gc_cmd,
         inspect_cmd,
@@ -52,6 +53,7 @@ def _register() -> None:
         gc_cmd,
         check_cmd,
         squash_cmd,
+        compact_cmd,
     ):
         main.add_command(module.command)
 

@@ -24,6 +24,11 @@ from .vllm_cmd import VLLM_OPTION_HELP, apply_vllm
 @click.option("--workers", type=click.IntRange(min=1), help="Threads to use (default: all cores).")
 @click.option("--verify", "verify_after", is_flag=True, help="Re-digest every tensor afterwards (as dcr verify).")
 @click.option("--version", help="With a store URL: the version to apply (default: the store's newest).")
+@click.option(
+    "--since",
+    metavar="VERSION",
+    help="With a store URL: the receiver is at committed VERSION; apply the cheapest path (chain or shortcuts).",
+)
 @click.option("--ack", "ack_url", metavar="URL", help="After applying, acknowledge the version on this store.")
 @click.option("--receiver", help="This receiver's name, for --ack.")
 @storage_options
@@ -36,6 +41,7 @@ def command(
     workers: int | None,
     verify_after: bool,
     version: str | None,
+    since: str | None,
     ack_url: str | None,
     receiver: str | None,
     storage_option: tuple[str, ...],
@@ -70,6 +76,17 @@ def command(
     assert into is not None
     # Store URLs resolve to one of their versions; anything else is a delta (or a directory of them).
     opened = [open_delta(d, version, storage_options=options) if is_store(d, options) else d for d in deltas]
+    if since is not None:  # the cheapest path among chain and shortcuts (store/keyframes.py)
+        from ..store.keyframes import open_plan, plan
+
+        if len(deltas) != 1 or not is_store(deltas[0], options):
+            raise DcrError("--since needs exactly one store URL")
+        chosen = plan(deltas[0], since, version, allow_keyframe=False, storage_options=options)
+        if not as_json:
+            click.echo(chosen.describe())
+        opened = list(open_plan(deltas[0], chosen, storage_options=options))
+        if not opened:
+            opened = [open_delta(deltas[0], since, storage_options=options)]  # already there: a no-op apply
     if version is not None and all(isinstance(d, str) for d in opened):
         raise DcrError("--version applies to store URLs only")
     result = apply(

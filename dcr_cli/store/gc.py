@@ -74,6 +74,12 @@ def gc(
     live, dropped = live_versions(store, keep)
     needed = referenced_blocks(store, live)
     live_manifests = {f"{r.manifest}.json" for r in live}
+    # Keyframes and shortcuts (store-v1.md §6.4): the newest keyframe's shortcuts stay, older ones go.
+    from .keyframes import retained
+
+    shortcut_blocks, shortcut_manifests, drop_catchup = retained(store)
+    needed.update(shortcut_blocks)
+    live_manifests |= shortcut_manifests
     now = time.time()
 
     def old(entry: Listing, rel_dir: str) -> bool:
@@ -108,6 +114,9 @@ def gc(
                 store.delete(f"{BLOCKS}/{entry.name}")
         else:
             young += 1
+    if not dry_run:
+        for rel in drop_catchup:
+            store.delete(rel)
     return GcResult(
         store=url,
         live_versions=sorted(r.version for r in live),
