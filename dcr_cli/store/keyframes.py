@@ -420,7 +420,8 @@ def plan(
     edges: list[Step] = []
     for i in range(1, end + 1):
         record = target if names[i] == target.version else store.require_version(names[i])
-        edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
+        if store.exists(f"{MANIFESTS}/{record.manifest}.json"):  # gc removes old versions' manifests
+            edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
     for s in shortcuts(store):
         b, t = s.record.base.version, s.record.version
         if b in pos and t in pos and pos[b] < pos[t] <= end and store.exists(f"{MANIFESTS}/{s.record.manifest}.json"):
@@ -454,6 +455,11 @@ def plan(
         chain_only = sum(e.bytes for e in plain)
     options = [r for r in (chain_route, frame_route if (allow_keyframe or since is None) else None) if r is not None]
     if not options:
+        if since is not None:
+            raise DcrError(
+                f"{url}: no path from {since} reaches {target.version!r} (deltas removed by gc?); join from a "
+                "keyframe instead (dcr pull --join)"
+            )
         raise DcrError(f"{url}: no path reaches {target.version!r} without state; publish a keyframe first")
     _cost, steps = min(options, key=lambda r: r[0])
     return Plan(steps, chain_only, frame_route[0] if frame_route else None)
