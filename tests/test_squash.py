@@ -398,3 +398,17 @@ def test_train_tiny_stream(tmp_path: Path, dcr) -> None:
     recv2 = copy_checkpoint(ck / "step-2", tmp_path / "recv2")
     dcr("apply", str(tmp_path / "sq25"), "--into", str(recv2), check=True)
     assert read_raw(recv2) == read_raw(ck / "step-5")
+
+
+def test_missing_repair_blocks_are_named(tmp_path: Path, dcr) -> None:
+    """A delta pulled without --repair lacks the xor items' target values: one line says what to do."""
+    versions = chain_versions(4, [("BF16", (300,))], 2, [0.1, 0.1])
+    deltas = []
+    for k in range(2):
+        deltas.append(tmp_path / f"d{k}")
+        build_delta(deltas[-1], versions[k], versions[k + 1], ("a", "b"), {"t0": "whole"}, {"t0": "xor"})
+    (repair,) = [b for b in Delta.open(deltas[1]).manifest.blocks if b.role == "repair"]
+    (deltas[1] / repair.path).unlink()
+    proc = dcr("squash", *map(str, deltas), "-o", str(tmp_path / "sq"))
+    assert proc.returncode == 2 and "pull with --repair" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "sq").exists()

@@ -187,6 +187,13 @@ def squash(
     """
     chain = open_chain(deltas)
     check_chain(chain)
+    for d in chain:  # xor items' target values live in repair blocks, which dcr pull skips by default
+        for block in d.manifest.blocks:
+            if block.role == "repair" and not d.fs.exists(d.block_path(block)):
+                raise FormatError(
+                    f"{d.url}: repair block {block.id[:16]}… is missing; squash needs the target values it "
+                    "holds: pull with --repair, or squash the producer's deltas"
+                )
     first, last = chain[0].manifest, chain[-1].manifest
     tensors = last.tensors
     per_delta = [_items_by_tensor(d) for d in chain]
