@@ -14,6 +14,13 @@ step, pushes and commits them to a local store. For a receiver ``k`` versions be
 Bytes are what the receiver fetches (data blocks; a keyframe's files). Times are wall clock on
 this machine (a local store: transfer is a file copy, so bytes are the figure that transfers).
 Every receiver's result is checked bit for bit against the head checkpoint.
+
+Last figures (small, 21 steps, lr 1e-6, ~1.5% of elements change per step; 2 shared cores):
+
+    behind | chain MiB      s | squash MiB      s build s | keyframe MiB      s | chain/squash keyframe/squash
+         1 |     0.284   0.11 |      0.284   0.06    0.06 |        40.02   0.05 |        1.00x          140.8x
+         5 |     1.444   0.35 |      0.865   0.08    0.27 |        40.02   0.06 |        1.67x           46.3x
+        20 |     6.946   0.95 |      2.168   0.09    1.40 |        40.02   0.05 |        3.20x           18.5x
 """
 
 from __future__ import annotations
