@@ -18,6 +18,7 @@ _API = {
     "LiveShard": "produce.live",
     "assemble": "delta.parts",
     "inspect": "delta.inspect",
+    "squash": "delta.squash",
     # receivers
     "apply": "api",
     "verify": "api",

@@ -62,6 +62,7 @@ def apply(
     *,
     into: str | os.PathLike[str],
     version: str | None = None,
+    since: str | None = None,
     ack: str | None = None,
     receiver: str | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -69,14 +70,45 @@ def apply(
     verify: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> ApplyResult:
-    """Bring checkpoint directory ``into`` to the target of ``deltas`` (receive/checkpoint), then ack it."""
+    """Bring checkpoint directory ``into`` to the target of ``deltas`` (receive/checkpoint), then ack it.
+
+    ``since``: with one store URL, the receiver is at committed version ``since``; the cheapest path by
+    bytes among the chain and the store's shortcuts is applied (store-v1 §6).
+    """
     _ack_pair(ack, receiver)
+    chosen = _catch_up(deltas, since, version, storage_options, log) if since is not None else None
     result = apply_checkpoint(
-        resolve(deltas, version, storage_options), into=into, workers=workers, verify=verify, log=log
+        chosen if chosen is not None else resolve(deltas, version, storage_options),
+        into=into,
+        workers=workers,
+        verify=verify,
+        log=log,
     )
     if ack and receiver:
         _acknowledge(ack, receiver, result.version, result.fingerprint, storage_options)
     return result
+
+
+def _catch_up(
+    deltas: DeltaLike | Sequence[DeltaLike],
+    since: str,
+    version: str | None,
+    storage_options: dict[str, Any] | None,
+    log: Callable[[str], None] | None,
+) -> list[DeltaLike]:
+    """The deltas of the cheapest path from ``since`` on a store (no keyframe: apply updates in place)."""
+    from .store import is_store, open_delta
+    from .store.keyframes import open_plan, plan
+
+    given = [deltas] if isinstance(deltas, (str, os.PathLike, Delta)) else list(deltas)
+    if len(given) != 1 or isinstance(given[0], Delta) or not is_store(os.fspath(given[0]), storage_options):
+        raise DcrError("--since needs exactly one store URL")
+    url = os.fspath(given[0])
+    chosen = plan(url, since, version, allow_keyframe=False, storage_options=storage_options)
+    if log:
+        log(chosen.describe())
+    opened: list[DeltaLike] = list(open_plan(url, chosen, storage_options=storage_options))
+    return opened or [open_delta(url, since, storage_options=storage_options)]  # already there: a no-op apply
 
 
 def apply_vllm(

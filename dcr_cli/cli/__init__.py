@@ -59,12 +59,14 @@ def _register() -> None:
         assemble_cmd,
         check_cmd,
         commit_cmd,
+        compact_cmd,
         diff_cmd,
         gc_cmd,
         inspect_cmd,
         log_cmd,
         pull_cmd,
         push_cmd,
+        squash_cmd,
         status_cmd,
         verify_cmd,
     )
@@ -83,6 +85,8 @@ def _register() -> None:
         log_cmd,
         gc_cmd,
         check_cmd,
+        squash_cmd,
+        compact_cmd,
     ):
         main.add_command(module.command)
 

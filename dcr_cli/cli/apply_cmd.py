@@ -22,6 +22,11 @@ from .vllm_cmd import VLLM_OPTION_HELP, apply_vllm
 @click.option("--workers", type=click.IntRange(min=1), help="Threads to use (default: all cores).")
 @click.option("--verify", "verify_after", is_flag=True, help="Re-digest every tensor afterwards (as dcr verify).")
 @click.option("--version", help="With a store URL: the version to apply (default: the store's newest).")
+@click.option(
+    "--since",
+    metavar="VERSION",
+    help="With a store URL: the receiver is at committed VERSION; apply the cheapest path (chain or shortcuts).",
+)
 @click.option("--ack", "ack_url", metavar="URL", help="After applying, acknowledge the version on this store.")
 @click.option("--receiver", help="This receiver's name, for --ack.")
 @storage_options
@@ -34,6 +39,7 @@ def command(
     workers: int | None,
     verify_after: bool,
     version: str | None,
+    since: str | None,
     ack_url: str | None,
     receiver: str | None,
     storage_option: tuple[str, ...],
@@ -60,6 +66,7 @@ def command(
         deltas,
         into=into,
         version=version,
+        since=since,
         ack=ack_url,
         receiver=receiver,
         storage_options=options,

@@ -20,6 +20,12 @@ from .store_options import parse_rate, parse_storage_options, storage_options
     metavar="VERSION",
     help="Fetch every delta a receiver at VERSION needs, as OUTPUT/<version>, in apply order.",
 )
+@click.option(
+    "--join",
+    "join",
+    is_flag=True,
+    help="A receiver with no state: fetch the newest keyframe as the checkpoint directory OUTPUT.",
+)
 @click.option("--repair", is_flag=True, help="Also fetch repair blocks (to repair a receiver torn by a crash).")
 @click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True, help="Parallel downloads.")
 @click.option("--limit-rate", metavar="BYTES/S", help="Cap the download rate, e.g. 50M (bytes per second).")
@@ -32,6 +38,7 @@ def command(
     out: str,
     version: str | None,
     since: str | None,
+    join: bool,
     repair: bool,
     workers: int,
     limit_rate: str | None,
@@ -47,6 +54,11 @@ def command(
     from ..store.transfer import chain_between, resolve
 
     options = parse_storage_options(storage_option)
+    if join or since is not None:  # keyframes and shortcuts (store/keyframes.py); plain chains as before
+        from .compact_cmd import catch_up_pull
+
+        if catch_up_pull(url, out, since, version, join, options, workers, repair, parse_rate(limit_rate), as_json):
+            return
     common: dict[str, Any] = dict(storage_options=options, workers=workers, limit_rate=parse_rate(limit_rate))
     total = 0
     if progress and sys.stderr.isatty():

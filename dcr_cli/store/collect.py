@@ -100,6 +100,12 @@ def gc(
     needed = LiveSet(store, dropped)
     needed.refresh()
     live_manifests = {f"{r.manifest}.json" for r in live}
+    # Keyframes and shortcuts (store-v1.md §6.4): the newest keyframe's shortcuts stay, older ones go.
+    from .keyframes import retained
+
+    shortcut_blocks, shortcut_manifests, drop_catchup = retained(store)
+    needed.blocks.update(shortcut_blocks)
+    live_manifests |= shortcut_manifests
     now = time.time()
 
     def old(entry: Listing, rel_dir: str) -> bool:
@@ -143,6 +149,9 @@ def gc(
             batch = (batch + 1) % BATCH
         removed_blocks += 1
         removed_bytes += entry.size
+    if not dry_run:
+        for rel in drop_catchup:
+            store.delete(rel)
     return GcResult(
         store=url,
         live_versions=sorted(r.version for r in live),

@@ -199,10 +199,10 @@ class _PlanMode(TorchDispatchMode):
                     Destination(
                         param,
                         dst.dtype,
-                        dst.storage_offset(),
+                        int(dst.storage_offset()),  # concrete ints: traced storage, no symbolic shapes
                         tuple(dst.size()),
                         tuple(dst.stride()),
-                        src.storage_offset(),
+                        int(src.storage_offset()),
                         tuple(src.size()),
                         tuple(src.stride()),
                     )

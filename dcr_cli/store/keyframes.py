@@ -1,0 +1,528 @@
+"""Keyframes, squashed shortcuts and the cheapest catch-up path (format_spec/store-v1.md §6).
+
+* A *keyframe* is a committed version's full state as a plain Hugging Face checkpoint in the store:
+  ``keyframes/<version>/<file>`` plus the record ``keyframes/<version>.json`` (written last,
+  create-only) with every file's size and BLAKE3 and the model fingerprint. A receiver with no state
+  joins with one download (:func:`join`).
+* A *shortcut* is a squashed delta (``dcr_cli.delta.squash``) from a keyframe's version to a later
+  committed version, published like a version's delta (blocks, ``manifests/<digest>.json``) and
+  described by ``shortcuts/<base>/<target>.json``, a version record of kind ``dcr.store.shortcut``.
+  ``dcr compact`` publishes one every K committed versions from the newest keyframe.
+* :func:`plan` chooses, by bytes to fetch, the cheapest way from a receiver's version (or from
+  nothing, via a keyframe) to a target among the chain, the shortcuts and the keyframes.
+
+Readers that do not know these records never look under ``keyframes/`` or ``shortcuts/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
+from ..delta.reader import Delta
+from ..delta.squash import UnsquashableError, squash
+from ..errors import ConflictError, DcrError, FormatError, IncompatibleError, IntegrityError
+from ..format.digest import StreamingDigest, is_digest
+from ..format.manifest import MANIFEST_NAME, fingerprint, parse_manifest
+from ..io.files import fsync_dir
+from .repo import BLOCKS, MANIFESTS, STORE_MAJOR, STORE_MINOR, Ref, Store, VersionRecord, check_label, dumps, utc_now
+from .transfer import RateLimit, _pull_record, resolve, version_record
+
+KEYFRAMES = "keyframes"
+SHORTCUTS = "shortcuts"
+KEYFRAME_KIND = "dcr.store.keyframe"
+SHORTCUT_KIND = "dcr.store.shortcut"
+_READ = 8 << 20
+
+
+@dataclass(frozen=True)
+class KeyframeFile:
+    name: str
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class KeyframeRecord:
+    version: str
+    fingerprint: str
+    files: list[KeyframeFile]
+    created: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": KEYFRAME_KIND,
+            "format_version": [STORE_MAJOR, STORE_MINOR],
+            "version": self.version,
+            "fingerprint": self.fingerprint,
+            "files": [asdict(f) for f in self.files],
+            "bytes": self.bytes,
+            "created": self.created,
+        }
+
+    @staticmethod
+    def from_json(obj: dict[str, Any], where: str) -> KeyframeRecord:
+        try:
+            files = [KeyframeFile(_file_name(f["name"]), int(f["size"]), f["digest"]) for f in obj["files"]]
+            record = KeyframeRecord(
+                check_label(obj["version"], "version"), obj["fingerprint"], files, obj.get("created", "")
+            )
+        except (KeyError, TypeError, ValueError, DcrError) as exc:
+            raise FormatError(f"{where}: malformed keyframe record ({exc})") from None
+        if not is_digest(record.fingerprint) or not all(is_digest(f.digest) for f in files):
+            raise FormatError(f"{where}: keyframe digests must be 64-hex")
+        return record
+
+
+def _file_name(name: Any) -> str:
+    """Keyframe file names become object and local names: plain names only."""
+    if not isinstance(name, str) or not name or name.startswith(".") or "/" in name or "\\" in name:
+        raise DcrError(f"keyframe file name {name!r} is not a plain file name")
+    return name
+
+
+@dataclass(frozen=True)
+class Shortcut:
+    record: VersionRecord  # version = target label; base and target as in the squashed manifest
+    chain: list[str]  # the committed versions it replaces, in order
+
+
+# -- records -----------------------------------------------------------------------------------------------------------
+
+
+def keyframes(store: Store) -> dict[str, KeyframeRecord]:
+    out: dict[str, KeyframeRecord] = {}
+    for entry in store.list(KEYFRAMES):
+        if not entry.name.endswith(".json"):
+            continue
+        rel = f"{KEYFRAMES}/{entry.name}"
+        obj = store.read_record(rel, KEYFRAME_KIND)
+        if obj is not None:
+            record = KeyframeRecord.from_json(obj, f"{store.url}/{rel}")
+            out[record.version] = record
+    return out
+
+
+def shortcuts(store: Store) -> list[Shortcut]:
+    out: list[Shortcut] = []
+    for base in store.list_dirs(SHORTCUTS):
+        for entry in store.list(f"{SHORTCUTS}/{base}"):
+            if not entry.name.endswith(".json"):
+                continue
+            rel = f"{SHORTCUTS}/{base}/{entry.name}"
+            obj = store.read_record(rel, SHORTCUT_KIND)
+            if obj is None:
+                continue
+            record = VersionRecord.from_json(obj, f"{store.url}/{rel}")
+            chain = obj.get("chain")
+            if not (isinstance(chain, list) and all(isinstance(c, str) for c in chain)):
+                raise FormatError(f"{store.url}/{rel}: shortcut chain must be a list of versions")
+            out.append(Shortcut(record, chain))
+    return out
+
+
+def committed_order(store: Store) -> list[Ref]:
+    """Genesis, then every committed version, oldest first."""
+    return [store.genesis(), *(c.target for c in store.chain())]
+
+
+def newest_keyframe(store: Store) -> KeyframeRecord | None:
+    frames = keyframes(store)
+    for ref in reversed(committed_order(store)):
+        frame = frames.get(ref.version)
+        if frame is not None and frame.fingerprint == ref.fingerprint:
+            return frame
+    return None
+
+
+# -- keyframes ---------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_fingerprint(root: str | os.PathLike[str]) -> str:
+    with SafetensorsCheckpoint(root) as ckpt:
+        return fingerprint(ckpt.tensor_table(ckpt.tensor_digests()))
+
+
+def _file_digest(path: Path) -> str:
+    h = StreamingDigest()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def publish_keyframe(
+    url: str,
+    checkpoint: str | os.PathLike[str],
+    *,
+    version: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> KeyframeRecord:
+    """Store ``checkpoint`` (a HF directory) as the keyframe of committed ``version`` (default: the head)."""
+    store = Store(url, storage_options)
+    store.require_marker()
+    ref = store.head() if version is None else next((r for r in committed_order(store) if r.version == version), None)
+    if ref is None:
+        raise DcrError(f"{url}: {version!r} is not a committed version; a keyframe is a committed state")
+    held = checkpoint_fingerprint(checkpoint)
+    if held != ref.fingerprint:
+        raise IncompatibleError(
+            f"{checkpoint} holds fingerprint {held[:16]}…, not version {ref.version} ({ref.fingerprint[:16]}…)"
+        )
+    rel = f"{KEYFRAMES}/{ref.version}.json"
+    existing = store.read_record(rel, KEYFRAME_KIND)
+    if existing is not None:
+        return KeyframeRecord.from_json(existing, f"{url}/{rel}")
+    root = Path(checkpoint)
+    files: list[KeyframeFile] = []
+    folder = store.path(KEYFRAMES, ref.version)
+    store.call(functools.partial(store.fs.makedirs, folder, exist_ok=True), f"create {KEYFRAMES}/{ref.version}")
+    for path in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
+        digest = _file_digest(path)
+        target = store.path(KEYFRAMES, ref.version, path.name)
+        store.call(functools.partial(store.fs.put_file, str(path), target), f"upload {path.name}")
+        files.append(KeyframeFile(path.name, path.stat().st_size, digest))
+    record = KeyframeRecord(ref.version, ref.fingerprint, files, utc_now())
+    with contextlib.suppress(FileExistsError):  # a racing publisher of the same state: its record is as good
+        store.create(rel, dumps(record.to_json()))
+    return record
+
+
+@dataclass
+class JoinResult:
+    store: str
+    version: str
+    fingerprint: str
+    path: str
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def join(
+    url: str,
+    out: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    frame: KeyframeRecord | None = None,
+) -> JoinResult:
+    """Download the newest keyframe as the checkpoint directory ``out``; every file and the model fingerprint
+    are verified before ``out`` appears."""
+    store = Store(url, storage_options)
+    store.require_marker()
+    frame = frame or newest_keyframe(store)
+    if frame is None:
+        raise DcrError(f"{url}: no keyframe is published; publish one with dcr compact {url} --keyframe CHECKPOINT")
+    dest = Path(out)
+    if dest.exists():
+        raise ConflictError(f"{dest} already exists; choose a new -o or remove it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        for f in frame.files:
+            local = partial / f.name
+            source = store.path(KEYFRAMES, frame.version, f.name)
+            try:
+                store.call(functools.partial(store.fs.get_file, source, str(local)), f"read {f.name}")
+            except FileNotFoundError:
+                raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
+            if local.stat().st_size != f.size or _file_digest(local) != f.digest:
+                raise IntegrityError(f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store")
+        if checkpoint_fingerprint(partial) != frame.fingerprint:
+            raise IntegrityError(f"{url}: keyframe {frame.version} does not hold its recorded fingerprint")
+        fsync_dir(partial)
+        os.rename(partial, dest)
+        fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return JoinResult(url, frame.version, frame.fingerprint, str(dest), frame.bytes)
+
+
+# -- shortcuts ---------------------------------------------------------------------------------------------------------
+
+
+def _open_manifest(store: Store, record: VersionRecord, label: str) -> Delta:
+    raw = store.manifest_bytes(record)
+    return Delta(f"{store.url} ({label})", parse_manifest(raw), record.manifest, len(raw), store.fs, store.root)
+
+
+def _upload_delta(store: Store, local: Path) -> tuple[bytes, str]:
+    """Upload a local delta's blocks (those absent) and its manifest; return (manifest bytes, digest)."""
+    from ..format.digest import digest_bytes
+
+    raw = (local / MANIFEST_NAME).read_bytes()
+    manifest = parse_manifest(raw)
+    present = {e.name: e.size for e in store.list(BLOCKS)}
+    for block in {b.id: b for b in manifest.blocks}.values():
+        if present.get(block.id) != block.size:
+            store.put(f"{BLOCKS}/{block.id}", (local / block.path).read_bytes())
+    digest = digest_bytes(raw)
+    store.put(f"{MANIFESTS}/{digest}.json", raw)
+    listed = {e.name for e in store.list(BLOCKS)}
+    if any(b.id not in listed for b in manifest.blocks):
+        raise DcrError(f"{store.url}: a block vanished during the upload (concurrent gc?); run again")
+    return raw, digest
+
+
+@dataclass
+class CompactResult:
+    store: str
+    keyframe: str
+    published: list[str] = field(default_factory=list)  # "base..target"
+    present: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compact(
+    url: str,
+    *,
+    every: int,
+    storage_options: dict[str, Any] | None = None,
+    workers: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> CompactResult:
+    """Publish a shortcut from the newest keyframe to every ``every``-th committed version after it.
+
+    Each shortcut squashes the previous one with the next ``every`` deltas; where the chain does not
+    carry some first-base values (overwrites), the keyframe's checkpoint supplies them.
+    """
+    if every < 1:
+        raise DcrError("--every must be at least 1")
+    store = Store(url, storage_options)
+    store.require_marker()
+    store.require_atomic_publish()
+    frame = newest_keyframe(store)
+    if frame is None:
+        raise DcrError(f"{url}: no keyframe is published; publish one with dcr compact {url} --keyframe CHECKPOINT")
+    names = [c.version for c in store.commits_after(frame.version)]
+    result = CompactResult(url, frame.version)
+    have = {(s.record.base.version, s.record.version): s for s in shortcuts(store)}
+    previous: Delta | None = None
+    done = 0
+    with tempfile.TemporaryDirectory(prefix=".dcr-compact-") as tmp:
+        base_ckpt: SafetensorsCheckpoint | None = None
+        try:
+            for j in range(every, len(names) + 1, every):
+                target = names[j - 1]
+                label = f"{frame.version}..{target}"
+                existing = have.get((frame.version, target))
+                if existing is not None:
+                    result.present.append(label)
+                    previous, done = _open_manifest(store, existing.record, f"shortcut {label}"), j
+                    continue
+                chain = [_open_manifest(store, store.require_version(n), n) for n in names[done:j]]
+                deltas = ([previous] if previous is not None else []) + chain
+                out = Path(tmp) / label
+                try:
+                    summary = squash(deltas, out, workers=workers)
+                except UnsquashableError:
+                    if base_ckpt is None:
+                        joined = join(url, Path(tmp) / "keyframe", storage_options=storage_options, frame=frame)
+                        base_ckpt = SafetensorsCheckpoint(joined.path)
+                    ckpt = base_ckpt
+                    summary = squash(deltas, out, workers=workers, base_values=_reader(ckpt))
+                raw, digest = _upload_delta(store, out)
+                manifest = parse_manifest(raw)
+                record = version_record(manifest, digest, len(raw), Ref(frame.version, frame.fingerprint))
+                obj = {**record.to_json(), "format": SHORTCUT_KIND, "chain": names[:j]}
+                with contextlib.suppress(FileExistsError):
+                    store.create(f"{SHORTCUTS}/{frame.version}/{target}.json", dumps(obj))
+                result.published.append(label)
+                if log:
+                    log(f"shortcut {label}: {summary.payload_bytes} bytes for {j} versions")
+                previous, done = _open_manifest(store, record, f"shortcut {label}"), j
+        finally:
+            if base_ckpt is not None:
+                base_ckpt.close()
+    return result
+
+
+def _reader(ckpt: SafetensorsCheckpoint) -> Callable[[str, np.ndarray], np.ndarray]:
+    return lambda name, flat: np.asarray(ckpt.view(name)[flat])
+
+
+# -- path choice -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # "chain", "shortcut" or "keyframe"
+    base: str | None  # None for a keyframe
+    target: str
+    bytes: int
+    record: VersionRecord | None = None
+    frame: KeyframeRecord | None = None
+
+
+@dataclass
+class Plan:
+    steps: list[Step]
+    chain_bytes: int | None  # the plain chain's bytes (None: no chain from the receiver's version)
+    keyframe_bytes: int | None  # the cheapest keyframe route's bytes, if any
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.steps)
+
+    def describe(self) -> str:
+        parts = [
+            f"{s.kind} {s.target}" if s.kind == "keyframe" else f"{s.kind} {s.base}->{s.target}" for s in self.steps
+        ]
+        alt = [f"chain {self.chain_bytes} B" if self.chain_bytes is not None else "", ""]
+        if self.keyframe_bytes is not None:
+            alt[1] = f"keyframe route {self.keyframe_bytes} B"
+        others = ", ".join(a for a in alt if a)
+        return f"path: {' + '.join(parts) or 'nothing to fetch'} ({self.bytes} B; {others or 'no other path'})"
+
+
+def plan(
+    url: str,
+    since: str | None,
+    until: str | None = None,
+    *,
+    allow_keyframe: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> Plan:
+    """The cheapest steps, by payload bytes, from committed ``since`` (None: no state) to ``until`` (the tip)."""
+    store = Store(url, storage_options)
+    store.require_marker()
+    order = committed_order(store)
+    target = resolve(store, until)
+    names = [r.version for r in order]
+    if target.version not in names:
+        if target.base.version != names[-1]:
+            raise DcrError(f"{url}: {target.version!r} is neither committed nor pending on the head")
+        names.append(target.version)
+    pos = {n: i for i, n in enumerate(names)}
+    end = pos[target.version]
+    if since is not None:
+        check_label(since, "--since version")
+        if since not in pos or pos[since] > end:
+            raise DcrError(f"{url}: {since!r} is not a committed version before {target.version!r} (see dcr log)")
+    edges: list[Step] = []
+    for i in range(1, end + 1):
+        record = target if names[i] == target.version else store.require_version(names[i])
+        if store.exists(f"{MANIFESTS}/{record.manifest}.json"):  # gc removes old versions' manifests
+            edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
+    for s in shortcuts(store):
+        b, t = s.record.base.version, s.record.version
+        if b in pos and t in pos and pos[b] < pos[t] <= end and store.exists(f"{MANIFESTS}/{s.record.manifest}.json"):
+            edges.append(Step("shortcut", b, t, s.record.payload_bytes, record=s.record))
+    frames = keyframes(store) if allow_keyframe or since is None else {}
+    by_fp = {r.version: r.fingerprint for r in order}
+
+    def cheapest(starts: dict[int, tuple[int, list[Step]]]) -> tuple[int, list[Step]] | None:
+        best = dict(starts)
+        for i in range(end + 1):  # every edge goes forward in chain order: one pass relaxes them all
+            if i not in best:
+                continue
+            cost, steps = best[i]
+            for e in edges:
+                if e.base is not None and pos[e.base] == i:
+                    j = pos[e.target]
+                    if j not in best or cost + e.bytes < best[j][0]:
+                        best[j] = (cost + e.bytes, [*steps, e])
+        return best.get(end)
+
+    chain_route = cheapest({pos[since]: (0, [])}) if since is not None else None
+    starts = {
+        pos[v]: (f.bytes, [Step("keyframe", None, v, f.bytes, frame=f)])
+        for v, f in frames.items()
+        if v in pos and pos[v] <= end and by_fp.get(v) == f.fingerprint
+    }
+    frame_route = cheapest(starts) if starts else None
+    chain_only = None
+    if since is not None:
+        plain = [e for e in edges if e.kind == "chain" and pos[e.base or ""] >= pos[since]]
+        chain_only = sum(e.bytes for e in plain)
+    options = [r for r in (chain_route, frame_route if (allow_keyframe or since is None) else None) if r is not None]
+    if not options:
+        if since is not None:
+            raise DcrError(
+                f"{url}: no path from {since} reaches {target.version!r} (deltas removed by gc?); join from a "
+                "keyframe instead (dcr pull --join)"
+            )
+        raise DcrError(f"{url}: no path reaches {target.version!r} without state; publish a keyframe first")
+    _cost, steps = min(options, key=lambda r: r[0])
+    return Plan(steps, chain_only, frame_route[0] if frame_route else None)
+
+
+def pull_plan(
+    url: str,
+    the_plan: Plan,
+    out_dir: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    workers: int = 8,
+    repair: bool = False,
+    limit_rate: float | None = None,
+) -> list[str]:
+    """Fetch a plan's steps into ``out_dir``: ``keyframe-<v>/`` (a checkpoint) and one delta per step."""
+    store = Store(url, storage_options)
+    limiter = RateLimit(limit_rate) if limit_rate else None
+    written: list[str] = []
+    for s in the_plan.steps:
+        if s.kind == "keyframe":
+            assert s.frame is not None
+            written.append(
+                join(url, Path(out_dir) / f"keyframe-{s.target}", storage_options=storage_options, frame=s.frame).path
+            )
+            continue
+        assert s.record is not None
+        name = s.target if s.kind == "chain" else f"shortcut-{s.base}-{s.target}"
+        written.append(_pull_record(store, s.record, Path(out_dir) / name, workers, None, limiter, repair).path)
+    return written
+
+
+def open_plan(url: str, the_plan: Plan, *, storage_options: dict[str, Any] | None = None) -> list[Delta]:
+    """The plan's deltas, read in place from the store (no keyframe step allowed)."""
+    store = Store(url, storage_options)
+    out = []
+    for s in the_plan.steps:
+        if s.kind == "keyframe" or s.record is None:
+            raise DcrError("a keyframe replaces the checkpoint; join with dcr pull --join instead")
+        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}->{s.target}"))
+    return out
+
+
+def retained(store: Store) -> tuple[dict[str, int], set[str], list[str]]:
+    """What gc keeps and drops for keyframes and shortcuts (store-v1.md §6.4).
+
+    Returns (block id -> size the newest keyframe's shortcuts need, their manifest file names, object paths of
+    older keyframes and shortcuts to remove: files first, records last).
+    """
+    newest = newest_keyframe(store)
+    needed: dict[str, int] = {}
+    manifests: set[str] = set()
+    drop: list[str] = []
+    for s in shortcuts(store):
+        rel = f"{SHORTCUTS}/{s.record.base.version}/{s.record.version}.json"
+        if newest is not None and s.record.base.version == newest.version:
+            manifests.add(f"{s.record.manifest}.json")
+            with contextlib.suppress(DcrError):  # a shortcut whose manifest is gone is skipped by plan()
+                for block in parse_manifest(store.manifest_bytes(s.record)).blocks:
+                    needed[block.id] = block.size
+        else:
+            drop.append(rel)
+    for version, frame in keyframes(store).items():
+        if newest is not None and version != newest.version:
+            drop = [*(f"{KEYFRAMES}/{version}/{f.name}" for f in frame.files), f"{KEYFRAMES}/{version}.json", *drop]
+    return needed, manifests, drop
