@@ -189,7 +189,7 @@ def squash(
     check_chain(chain)
     for d in chain:  # xor items' target values live in repair blocks, which dcr pull skips by default
         for block in d.manifest.blocks:
-            if block.role == "repair" and not d.fs.exists(d.block_path(block)):
+            if block.role == "repair" and not d.has_block(block):
                 raise FormatError(
                     f"{d.url}: repair block {block.id[:16]}… is missing; squash needs the target values it "
                     "holds: pull with --repair, or squash the producer's deltas"

@@ -36,7 +36,7 @@ from ..format.digest import StreamingDigest, is_digest
 from ..format.manifest import MANIFEST_NAME, fingerprint, parse_manifest
 from ..io.files import fsync_dir
 from .repo import BLOCKS, MANIFESTS, STORE_MAJOR, STORE_MINOR, Ref, Store, VersionRecord, check_label, dumps, utc_now
-from .transfer import RateLimit, _pull_record, resolve, version_record
+from .transfer import RateLimit, _pull_record, open_record, resolve, version_record
 
 KEYFRAMES = "keyframes"
 SHORTCUTS = "shortcuts"
@@ -258,8 +258,7 @@ def join(
 
 
 def _open_manifest(store: Store, record: VersionRecord, label: str) -> Delta:
-    raw = store.manifest_bytes(record)
-    return Delta(f"{store.url} ({label})", parse_manifest(raw), record.manifest, len(raw), store.fs, store.root)
+    return open_record(store, record, f"{store.url} ({label})")
 
 
 def _upload_delta(store: Store, local: Path) -> tuple[bytes, str]:

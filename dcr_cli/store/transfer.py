@@ -574,18 +574,23 @@ def open_version(url: str, version: str | None = None, *, storage_options: dict[
     store = Store(url, storage_options)
     store.require_marker()
     record = resolve(store, version)
+    return open_record(store, record, f"{url} (version {record.version})")
+
+
+def open_record(store: Store, record: VersionRecord, label: str) -> Delta:
+    """The Delta a version record (or a shortcut's record) describes, reading its blocks from ``store``."""
     raw = store.manifest_bytes(record)
     manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
-        raise IntegrityError(f"{url}: manifest of {record.version!r} does not match its version record")
+        raise IntegrityError(f"{store.url}: manifest of {record.version!r} does not match its record")
     rel = f"{STORE_MANIFESTS}/{record.manifest}.json"
     return Delta(
-        store.path(rel) if "://" not in url else f"{url.rstrip('/')}/{rel}",
+        store.path(rel) if "://" not in store.url else f"{store.url.rstrip('/')}/{rel}",
         manifest,
         record.manifest,
         len(raw),
         StoreBlockSource(store),
-        label=f"{url} (version {record.version})",
+        label=label,
         manifest_path=store.path(rel),
     )
 
