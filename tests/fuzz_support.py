@@ -39,6 +39,7 @@ from helpers_checkpoints import write_checkpoint
 from dcr_cli.cli import main
 
 EXAMPLES = int(os.environ.get("DCR_FUZZ_EXAMPLES", "120"))  # per test; the campaign raises it
+RANDOM = os.environ.get("DCR_FUZZ_RANDOM", "") not in ("", "0")  # the campaign explores new cases each run
 COUNTS: Counter[str] = Counter()  # "family/outcome" -> cases, for the closing note
 
 
