@@ -23,7 +23,7 @@ from dcr_cli.format.manifest import parse_manifest
 SETTINGS = settings(
     max_examples=fz.EXAMPLES,
     deadline=None,
-    derandomize=True,  # CI runs the same cases every time; benchmarks/fuzz_campaign.py explores
+    derandomize=not fz.RANDOM,  # CI runs the same cases every time; benchmarks/fuzz_campaign.py explores
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
 )
@@ -135,6 +135,44 @@ def test_duplicated_items_key_is_refused() -> None:
     m = _manifest()
     text = json.dumps(m).replace('"items": ', '"items": [], "items": ', 1)
     assert _apply_case(None, text.encode(), "items twice") == "refused"
+
+
+@pytest.mark.parametrize(
+    "attack", ["tensor is an object", "deep nesting", "huge integer", "lone surrogate", "items reversed"]
+)
+def test_real_subprocess_cases(attack: str) -> None:
+    """A few cases through ``python -m dcr_cli`` itself (what users and cron run), same property."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    m = _manifest()
+    raw = None
+    if attack == "tensor is an object":
+        m["items"][0]["tensor"] = {"a": 1}
+    elif attack == "items reversed":
+        m["items"].reverse()
+    else:
+        m["x-unknown"] = "@@a@@"
+        splice = {"deep nesting": fz.RAW_ATTACKS["deep-nesting"], "huge integer": fz.RAW_ATTACKS["huge-integer"]}
+        raw = json.dumps(m).replace('"@@a@@"', splice.get(attack, fz.RAW_ATTACKS["lone-surrogate"])).encode()
+    w = fz.world()
+    repo = Path(__file__).resolve().parents[1]
+    with fz.scratch() as tmp:
+        delta = fz.copy_delta(w.deltas[0], tmp / "d")
+        fz.write_manifest(delta, m, raw)
+        recv = fz.copy_receiver(w.versions[0], tmp / "r")
+        oracle = fz.Oracle.of("manifest (subprocess)", recv, w.versions[1])
+        proc = subprocess.run(
+            [sys.executable, "-m", "dcr_cli", "apply", str(delta), "--into", str(recv)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+        )
+        outcome = oracle.check(fz.Result(proc.returncode, proc.stdout, proc.stderr), attack)
+        assert outcome == ("applied" if attack == "items reversed" else "refused")
 
 
 # The receiver holes of issue 10 §1 and §2, fixed on branch `receive`: each is the exact case the issue names.
