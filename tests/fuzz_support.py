@@ -10,11 +10,7 @@
   exits 0 with the receiver bit-identical to the target. Never exit 0 with other bits; never a traceback
   or an internal error.
 
-Two receiver holes of issue 10 are being fixed on branch ``receive`` (§1: exit 0 while the receiver does
-not hold the target; §2: a refusal after some items were written). ``holes_open()`` probes each once per
-session; while a probe shows the hole, a case that falls into it is counted as a known hole instead of
-failing, and the explicit xfail(strict=True) tests in test_fuzz_manifest.py hold the specific cases. Once
-the fix is merged the probes close and every case is checked strictly, with no edit here.
+There is no leniency: a case that exits 0 with other bits, or refuses after writing, fails the suite.
 """
 
 from __future__ import annotations
@@ -169,31 +165,6 @@ def tensor_bits(root: Path) -> dict[str, bytes] | None:
 # --------------------------------------------------------------------------- the oracle
 
 
-@cache
-def holes_open() -> dict[str, bool]:
-    """Probe the two receiver holes of issue 10 once: True while the hole is still there."""
-    w = world()
-    m = json.loads((w.deltas[0] / "manifest.json").read_text())
-    with scratch() as tmp:
-        # §1: one item dropped; a receiver that proves what it holds refuses to record v1.
-        delta = copy_delta(w.deltas[0], tmp / "drop")
-        m1 = json.loads(json.dumps(m))
-        m1["items"].pop(0)
-        write_manifest(delta, m1)
-        recv = copy_receiver(w.versions[0], tmp / "r1")
-        hole1 = run("apply", str(delta), "--into", str(recv), "--workers", "1").code == 0
-        # §2: garbage (digests re-signed) in item 1's data section; item 0 is written first.
-        delta = copy_delta(w.deltas[0], tmp / "bad1")
-        m2 = json.loads(json.dumps(m))
-        put_section(delta, m2, 1, "data", b"\x28\xb5\x2f\xfd garbage")
-        write_manifest(delta, m2)
-        recv = copy_receiver(w.versions[0], tmp / "r2")
-        before = snapshot(recv)
-        r = run("apply", str(delta), "--into", str(recv), "--workers", "1")
-        hole2 = r.code != 0 and snapshot(recv) != before
-    return {"§1": hole1, "§2": hole2}
-
-
 @dataclass
 class Oracle:
     """Checks one case: ``expect_bits`` are the target's tensor bits, ``before`` the receiver's files."""
@@ -203,7 +174,6 @@ class Oracle:
     expect_bits: dict[str, bytes]
     before: dict[str, bytes] = field(default_factory=dict)
     refusal_codes: tuple[int, ...] = (2,)
-    known_crash: str | None = None  # while another branch fixes it: count an internal error as this hole
 
     @staticmethod
     def of(
@@ -211,31 +181,24 @@ class Oracle:
         receiver: Path,
         target: Path,
         refusal_codes: tuple[int, ...] = (2,),
-        known_crash: str | None = None,
     ) -> Oracle:
         bits = tensor_bits(target)
         assert bits is not None
-        return Oracle(family, receiver, bits, snapshot(receiver), refusal_codes, known_crash)
+        return Oracle(family, receiver, bits, snapshot(receiver), refusal_codes)
 
     def check(self, r: Result, what: str) -> str:
-        """Assert the property; returns the outcome ("refused", "applied" or a known hole) and counts it."""
+        """Assert the property; returns the outcome ("refused" or "applied") and counts it."""
         assert r.exception is None, f"{what}: {type(r.exception).__name__}: {r.exception}"
         assert "Traceback" not in r.stderr, f"{what}: {r.stderr}"
-        if r.code == 70 and self.known_crash and snapshot(self.receiver) == self.before:
-            return self._count(f"known hole: {self.known_crash}")
         assert r.code != 70, f"{what}: internal error: {r.stderr}"
         if r.code == 0:
             if tensor_bits(self.receiver) == self.expect_bits:
                 return self._count("applied")
-            if holes_open()["§1"]:
-                return self._count("known hole §1 (exit 0, other bits)")
             raise AssertionError(f"{what}: exit 0 but the receiver does not hold the target\n{r.stdout}")
         lines = r.stderr.splitlines()
         assert r.code in self.refusal_codes, f"{what}: exit {r.code}: {r.stderr}"
         assert len(lines) == 1 and lines[0].startswith("dcr: error: "), f"{what}: {r.stderr!r}"
         if snapshot(self.receiver) != self.before:
-            if holes_open()["§2"]:
-                return self._count("known hole §2 (refused after writing)")
             raise AssertionError(f"{what}: refused ({lines[0]}) but the receiver was modified")
         return self._count("refused")
 

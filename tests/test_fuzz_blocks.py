@@ -148,7 +148,6 @@ def test_missing_repair_blocks(torn: bool) -> None:
         assert outcome != "applied" if torn else outcome == "applied"  # torn: refused (§2 hole aside)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §1, fixed on branch receive")
 def test_positions_moved_by_one_are_not_applied_at_the_wrong_place() -> None:
     """Re-signed positions frame of item 0, every position one element on: today the item counts as torn
     and the repair values land at the wrong elements, exit 0 (positions are not bound into a digest)."""

@@ -175,19 +175,11 @@ def test_real_subprocess_cases(attack: str) -> None:
         assert outcome == ("applied" if attack == "items reversed" else "refused")
 
 
-# The receiver holes of issue 10 §1 and §2, fixed on branch `receive`: each is the exact case the issue names.
-HOLE_1 = "issue 10 §1, fixed on branch receive"
-HOLE_2 = "issue 10 §2, fixed on branch receive"
+# Issue 10 §1 and §2, each the exact case the issue names.
 
 
 def _strict(case: Any, what: str) -> None:
-    """Run a case with the holes treated as failures (the xfail tests below must fail until the fix)."""
-    original = fz.holes_open
-    fz.holes_open = lambda: {"§1": False, "§2": False}  # type: ignore[assignment]
-    try:
-        outcome = case()
-    finally:
-        fz.holes_open = original
+    outcome = case()
     assert outcome in ("applied", "refused"), what
 
 
@@ -204,7 +196,6 @@ def _shifted(m: dict[str, Any]) -> None:
     m["items"][0]["region"]["start"] += 1
 
 
-@pytest.mark.xfail(strict=True, reason=HOLE_1)
 @pytest.mark.parametrize("attack", [_dropped, _swapped, _shifted], ids=lambda f: f.__name__[1:])
 def test_manifest_that_passes_every_check_but_is_wrong(attack: Any) -> None:
     m = _manifest()
@@ -322,7 +313,6 @@ ITEM_K_ATTACKS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=HOLE_2)
 @pytest.mark.parametrize("attack", sorted(ITEM_K_ATTACKS))
 def test_bad_section_in_item_k_is_refused_before_any_write(attack: str) -> None:
     _strict(_item_k_attack(ITEM_K_ATTACKS[attack]), attack)

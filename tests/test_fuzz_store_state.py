@@ -7,22 +7,16 @@ leave the receiver byte-identical or bring it to v1; ``status``, ``log``, ``chec
 Receiver state: ``CKPT/.dcr/state.json`` or ``table.json`` of a receiver at v1 is mutated; ``apply d12``
 must refuse or reach v2; ``verify`` must answer 0, 1 or one line and 2.
 
-Store records and receiver state are read by the store and receive packages, which branches ``store``
-and ``receive`` move onto the strict JSON reader (issue 10 §3). Until then an internal error on hostile
-JSON there (exit 70, one line) is counted as that known hole, provided nothing was written; the probes
-below turn the leniency off by themselves once the fix is merged.
+Both are read with the strict JSON reader (issue 10 §3): hostile JSON there is one line and exit 2.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from functools import cache
 from pathlib import Path
-from typing import Any
 
 import fuzz_support as fz
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from test_fuzz_manifest import OPS, SETTINGS
@@ -30,23 +24,27 @@ from test_fuzz_manifest import OPS, SETTINGS
 DEEP = b"[" * 100_000 + b"]" * 100_000  # hypothesis raises the recursion limit: 1,000 levels may parse
 
 
-@cache
-def store_json_crashes() -> bool:
-    """Does a deeply nested versions/v1.json still crash the store reader (issue 10 §3, branch store)?"""
+def _exit_code_on_deep_store_record() -> int:
+    """A versions/v1.json nested 100,000 levels, read by ``dcr log``."""
     with fz.scratch() as tmp:
         shutil.copytree(fz.world().store, tmp / "s")
         (tmp / "s" / "versions" / "v1.json").write_bytes(DEEP)
-        return fz.run("log", f"file://{tmp / 's'}").code == 70
+        r = fz.run("log", f"file://{tmp / 's'}")
+        assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("dcr: error: "), r.stderr
+        return r.code
 
 
-@cache
-def state_json_crashes() -> bool:
-    """Does a deeply nested .dcr/state.json still crash the receiver (issue 10 §3, branch receive)?"""
+def _exit_code_on_deep_receiver_state() -> int:
+    """A .dcr/state.json nested 100,000 levels, read by ``dcr apply``."""
     w = fz.world()
     with fz.scratch() as tmp:
         recv = _receiver_at_v1(tmp)
         (recv / ".dcr" / "state.json").write_bytes(DEEP)
-        return fz.run("apply", str(w.deltas[1]), "--into", str(recv)).code == 70
+        before = fz.snapshot(recv)
+        r = fz.run("apply", str(w.deltas[1]), "--into", str(recv))
+        assert fz.snapshot(recv) == before
+        assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("dcr: error: "), r.stderr
+        return r.code
 
 
 def _receiver_at_v1(tmp: Path) -> Path:
@@ -60,12 +58,9 @@ def _records(store: Path) -> list[str]:
     return sorted(str(p.relative_to(store)) for p in store.rglob("*.json"))
 
 
-def _read_only(args: list[str], what: str, codes: tuple[int, ...], known_crash: bool) -> None:
+def _read_only(args: list[str], what: str, codes: tuple[int, ...]) -> None:
     r = fz.run(*args)
     assert r.exception is None, f"{what}: {args[0]}: {r.exception}"
-    if r.code == 70 and known_crash:
-        fz.COUNTS[f"store read ({args[0]}): known hole (internal error on hostile JSON)"] += 1
-        return
     assert r.code in codes, f"{what}: {args[0]} exit {r.code}: {r.stderr}"
     if r.code == 2:  # (check's exit 1 is its report of the damage, one line per problem)
         assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("dcr: error: "), f"{what}: {r.stderr!r}"
@@ -75,7 +70,6 @@ def _read_only(args: list[str], what: str, codes: tuple[int, ...], known_crash: 
 @given(record=st.integers(0, 100), ops=OPS, delete=st.booleans())
 def test_mutated_store_record(record: int, ops: list[tuple[str, int, int]], delete: bool) -> None:
     w = fz.world()
-    crash = store_json_crashes()
     with fz.scratch() as tmp:
         store = tmp / "s"
         shutil.copytree(w.store, store)
@@ -91,16 +85,12 @@ def test_mutated_store_record(record: int, ops: list[tuple[str, int, int]], dele
             what = f"{name}: {what}"
         url = f"file://{store}"
         recv = fz.copy_receiver(w.versions[0], tmp / "r")
-        oracle = fz.Oracle.of(
-            "store records", recv, w.versions[1], known_crash="store JSON (branch store)" if crash else None
-        )
+        oracle = fz.Oracle.of("store records", recv, w.versions[1])
         oracle.check(fz.run("apply", url, "--version", "v1", "--into", str(recv), "--workers", "1"), what)
         for args, codes in ((["status", url], (0, 2)), (["log", url], (0, 2)), (["check", url], (0, 1, 2))):
-            _read_only(args, what, codes, crash)
+            _read_only(args, what, codes)
         r = fz.run("pull", url, "--version", "v2", "-o", str(tmp / "pulled"))
-        assert (r.exception is None and r.code in (0, 2)) or (crash and r.code == 70), (
-            f"{what}: pull {r.code} {r.stderr}"
-        )
+        assert r.exception is None and r.code in (0, 2), f"{what}: pull {r.code} {r.stderr}"
         if r.code == 0:  # every byte verified before use: the pulled delta is the pushed one
             assert (tmp / "pulled" / "manifest.json").read_bytes() == (w.deltas[1] / "manifest.json").read_bytes()
             for block in (w.deltas[1] / "blocks").iterdir():
@@ -113,16 +103,13 @@ def test_mutated_store_record(record: int, ops: list[tuple[str, int, int]], dele
 @given(which=st.sampled_from(["state.json", "table.json"]), ops=OPS)
 def test_mutated_receiver_state(which: str, ops: list[tuple[str, int, int]]) -> None:
     w = fz.world()
-    crash = state_json_crashes()
     with fz.scratch() as tmp:
         recv = _receiver_at_v1(tmp)
         path = recv / ".dcr" / which
         _, raw, what = fz.mutate_json(json.loads(path.read_text()), ops)
         path.write_bytes(raw)
         what = f"{which}: {what}"
-        oracle = fz.Oracle.of(
-            "receiver state", recv, w.versions[2], known_crash="state JSON (branch receive)" if crash else None
-        )
+        oracle = fz.Oracle.of("receiver state", recv, w.versions[2])
         oracle.check(fz.run("apply", str(w.deltas[1]), "--into", str(recv), "--workers", "1"), what)
     with fz.scratch() as tmp:
         recv = _receiver_at_v1(tmp)
@@ -130,25 +117,16 @@ def test_mutated_receiver_state(which: str, ops: list[tuple[str, int, int]]) -> 
         before = fz.snapshot(recv)
         r = fz.run("verify", str(recv))
         assert r.exception is None, what
-        if not (r.code == 70 and crash):
-            assert r.code in (0, 1, 2), f"{what}: verify exit {r.code}: {r.stderr}"
-            if r.code:
-                assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("dcr: error: "), f"{what}: {r.stderr!r}"
+        assert r.code in (0, 1, 2), f"{what}: verify exit {r.code}: {r.stderr}"
+        if r.code:
+            assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("dcr: error: "), f"{what}: {r.stderr!r}"
         assert fz.snapshot(recv) == before, what
         fz.COUNTS["receiver state: verify runs"] += 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §3, fixed on branch store")
 def test_deeply_nested_store_record_is_one_line_exit_2() -> None:
-    assert not store_json_crashes()
+    assert _exit_code_on_deep_store_record() == 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §3, fixed on branch receive")
 def test_deeply_nested_receiver_state_is_one_line_exit_2() -> None:
-    assert not state_json_crashes()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _report_counts() -> Any:
-    yield
-    fz.dump_counts()
+    assert _exit_code_on_deep_receiver_state() == 2
