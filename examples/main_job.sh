@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The main job, end to end on this machine: train a tiny model for a few real steps, and refit a
-# receiver step by step with deltas.
+# receiver step by step with deltas; then keep training and refit from the live weights (no
+# checkpoint per step); then a late receiver joins from a keyframe and catches up by a shortcut.
 #   examples/main_job.sh            (work files go to runs/main-job/, which is recreated)
-# Environment: STEPS (default 3), WORK (default runs/main-job).
+# Environment: STEPS (default 3), LIVE_STEPS (default 2), WORK (default runs/main-job).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .ci/setup
 export PATH="$PWD/.venv/bin:$PATH"
 
 STEPS=${STEPS:-3}
+LIVE_STEPS=${LIVE_STEPS:-2}
 WORK=${WORK:-runs/main-job}
 rm -rf "$WORK"
 mkdir -p "$WORK"
@@ -39,8 +41,21 @@ for step in $(seq 1 "$STEPS"); do
   dcr commit "$STORE" "step-$step" --receiver rollout-0
 done
 
+echo "== trainer, live: $LIVE_STEPS more steps diffed straight from the weights in memory (dcr_cli.Producer)"
+python examples/live_producer.py "$WORK" --steps "$LIVE_STEPS" --store "$STORE" --receiver "$RECEIVER"
+LAST=$((STEPS + LIVE_STEPS))
+
+echo "== store: a keyframe of step-$STEPS for new receivers, and a squashed shortcut every 2 versions after it"
+dcr compact "$STORE" --keyframe "$WORK/trainer/step-$STEPS" --version "step-$STEPS" --every 2
+
+echo "== a late receiver: join from the newest keyframe (one download), then follow the cheapest path"
+dcr pull "$STORE" --join -o "$WORK/late"
+dcr apply "$STORE" --since "step-$STEPS" --into "$WORK/late"
+dcr verify "$WORK/late"
+
 echo "== the store's history"
 dcr log "$STORE"
 # An independent check besides dcr verify's digests: the files are byte-identical to the trainer's.
-cmp "$RECEIVER/model.safetensors" "$WORK/trainer/step-$STEPS/model.safetensors"
-echo "== done: $RECEIVER holds exactly the bits of $WORK/trainer/step-$STEPS"
+cmp "$RECEIVER/model.safetensors" "$WORK/trainer/step-$LAST/model.safetensors"
+cmp "$WORK/late/model.safetensors" "$WORK/trainer/step-$LAST/model.safetensors"
+echo "== done: $RECEIVER and the late receiver $WORK/late hold exactly the bits of $WORK/trainer/step-$LAST"
