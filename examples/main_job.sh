@@ -3,10 +3,11 @@
 # receiver step by step with deltas; then keep training and refit from the live weights (no
 # checkpoint per step); then a late receiver joins from a keyframe and catches up by a shortcut.
 #   examples/main_job.sh            (work files go to runs/main-job/, which is recreated)
-# Environment: STEPS (default 3), LIVE_STEPS (default 2), WORK (default runs/main-job).
+# Environment: STEPS (default 3), LIVE_STEPS (default 2), WORK (default runs/main-job),
+# DCR_SKIP_SETUP=1 (the suite: .venv is already set up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.ci/setup
+[ "${DCR_SKIP_SETUP:-}" = 1 ] || .ci/setup
 export PATH="$PWD/.venv/bin:$PATH"
 
 STEPS=${STEPS:-3}
