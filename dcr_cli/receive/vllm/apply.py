@@ -33,6 +33,7 @@ from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.codec import DecodedItem, apply_values
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
+from .layout import check_resident_layout
 from .placement import (
     TORCH_DTYPES,
     Destination,
@@ -297,6 +298,7 @@ class EngineReceiver:
     def _check_local(self, delta: Delta) -> None:
         m = delta.manifest
         check_layout_kept(self.model)
+        check_resident_layout(self.model)  # repacked, reordered, transposed or padded after loading
         if fingerprint(m.tensors) != m.target.fingerprint:
             raise FormatError(f"{delta.url}: the tensor table does not match the target fingerprint")
         for name, entry in m.tensors.items():
