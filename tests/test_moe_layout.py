@@ -273,3 +273,57 @@ def test_check_refuses_a_model_with_a_refused_moe_layer_before_the_record():
     model.experts.quant_method = _method("TRITON")
     with pytest.raises(IncompatibleError, match=r"^experts\.w13_weight: it was rewritten"):
         check_resident_layout(model)
+
+
+# ------------------------------------------------------------------ the plugin's CPU experts
+
+
+def _reference_moe(x, w13, w2, topk_weights, topk_ids):
+    """Per token: sum over its top-k experts of weight * down(silu(gate x) * up x), in float64."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+            out[t] += float(topk_weights[t, k]) * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _off(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest deviation relative to the largest value (bf16 intermediates round at about 1%)."""
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+def test_plain_cpu_experts_compute_the_moe_with_and_without_expert_parallel():
+    from dcr_cli.receive.vllm.plugin import _plain_experts
+
+    g = torch.Generator().manual_seed(3)
+    layer = Experts()
+    x = torch.randn(5, H, generator=g).bfloat16()
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(5)]).to(torch.int32)
+    topk_weights = torch.rand(5, 2, generator=g).softmax(-1)
+    experts = SimpleNamespace(quant_config=SimpleNamespace(gemm1_clamp_limit=None))
+    silu = MoEActivation.SILU
+    expected = _reference_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+    full = torch.empty(5, H, dtype=torch.bfloat16)
+    _plain_experts(experts, full, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, silu, None, False)
+    assert _off(full, expected) < 0.02
+
+    # Expert parallel: rank r holds experts [2r, 2r+1] in its slots 0..1; the ranks' sums add up.
+    parts = []
+    for r in range(2):
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[2 * r : 2 * r + 2] = torch.tensor([0, 1], dtype=torch.int32)
+        local13, local2 = layer.w13_weight[2 * r : 2 * r + 2], layer.w2_weight[2 * r : 2 * r + 2]
+        part = torch.empty(5, H, dtype=torch.bfloat16)
+        _plain_experts(experts, part, x, local13, local2, topk_weights, topk_ids, silu, expert_map, False)
+        parts.append(part.double())
+    assert _off(parts[0] + parts[1], expected) < 0.02
+    assert _off(parts[0], expected) > 0.2  # each rank holds only a share
+
+    # Router weights already applied to the input: not applied again.
+    unweighted = torch.empty(5, H, dtype=torch.bfloat16)
+    _plain_experts(experts, unweighted, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, silu, None, True)
+    ones = _reference_moe(x, layer.w13_weight, layer.w2_weight, torch.ones_like(topk_weights), topk_ids)
+    assert _off(unweighted, ones) < 0.02 and _off(unweighted, expected) > 0.2

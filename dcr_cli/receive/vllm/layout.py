@@ -277,5 +277,5 @@ def check_resident_layout(model: torch.nn.Module) -> None:
         raise IncompatibleError(
             f"{name}: {changes[name]}{more}, so it is not in the layout vLLM's loader writes and a delta "
             "cannot be applied to it in place; nothing was written. Use a kernel backend that computes on "
-            "the loaded weights (format_spec/receiver-vllm.md §6, §7)"
+            "the loaded weights (format_spec/receiver-vllm.md §6, §10)"
         )
