@@ -34,6 +34,7 @@ from ...format.codec import DecodedItem
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
 from .. import plan as receiver_plan
+from .layout import check_resident_layout
 from .placement import (
     TORCH_DTYPES,
     Destination,
@@ -308,6 +309,7 @@ class EngineReceiver:
     def _check_local(self, delta: Delta) -> None:
         m = delta.manifest
         check_layout_kept(self.model)
+        check_resident_layout(self.model)  # repacked, reordered, transposed or padded after loading
         receiver_plan.check_table(m, delta.url)
         for name, entry in m.tensors.items():
             if entry.dtype not in TORCH_DTYPES:

@@ -1,0 +1,109 @@
+"""megatron-core MoE checkpoints written by megatron-core itself (GPTModel + dist_checkpointing, torch_dist, gloo).
+
+One writer for several parallel layouts of the same tiny Qwen3-MoE-like GPT (4 experts, top-2,
+qk-norm, RMSNorm kept in F32 by megatron, vocab padded 50 -> 64): expert parallel, attention
+tensor parallel with expert tensor parallel, attention tensor parallel with experts expert-parallel
+over the same ranks, and SequentialMLP or the legacy GroupedMLP experts.
+
+The legacy GroupedMLP refuses to be built without the ``grouped_gemm`` CUDA extension, although
+only its forward uses it; the writer gives it an empty stand-in module, so megatron-core's own
+``GroupedMLP.sharded_state_dict`` (weight1/weight2 [H, E_local*2F] re-viewed per expert) runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from shard_writers import spawn_ranks
+
+LAYOUTS: dict[str, dict[str, int | bool]] = {
+    "ep2-sequential": dict(tp=1, ep=2, etp=1, grouped=False),
+    "ep2-grouped": dict(tp=1, ep=2, etp=1, grouped=True),  # legacy GroupedMLP
+    "tp2-etp2": dict(tp=2, ep=1, etp=2, grouped=False),  # expert tensor parallel
+    "tp2-ep2": dict(tp=2, ep=2, etp=1, grouped=False),  # attention TP, experts EP over the same 2 ranks
+}
+
+
+def _worker(rank: int, world: int, out: str, cfg: dict, layout: dict) -> None:
+    # megatron-core's torch_dist saver synchronizes CUDA and reduces a flag on the current CUDA
+    # device; with a CPU-only torch these two calls are pointed at the CPU (as shard_writers does).
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    if layout["grouped"] and "grouped_gemm" not in sys.modules:
+        stand_in = types.ModuleType("grouped_gemm")
+        stand_in.ops = types.SimpleNamespace()  # type: ignore[attr-defined]
+        sys.modules["grouped_gemm"] = stand_in
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    tp, ep, etp, grouped = int(layout["tp"]), int(layout["ep"]), int(layout["etp"]), bool(layout["grouped"])
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
+    config = TransformerConfig(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_key_value_heads"],
+        kv_channels=cfg["head_dim"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        qk_layernorm=True,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        num_moe_experts=cfg["num_experts"],
+        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        moe_router_topk=2,
+        moe_grouped_gemm=grouped,
+    )
+    torch.manual_seed(0)
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(num_experts=cfg["num_experts"], qk_layernorm=True, moe_grouped_gemm=grouped),
+        vocab_size=cfg["megatron"]["padded_vocab_size"],
+        max_sequence_length=32,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    for tag in ("base", "target"):
+        if tag == "target":  # a training-step-like change in every rank's local shards, plus NaN and -0.0
+            g = torch.Generator().manual_seed(rank)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    flat = p.data.view(-1)
+                    idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 20),), generator=g)
+                    flat[idx] = (flat[idx].float() * 1.01 + 1e-3).to(flat.dtype)
+                    if name.endswith(("linear_qkv.weight", "weight1", "linear_fc1.weight")):
+                        ints = flat.view(torch.int16)
+                        ints[3], ints[4] = 0x7FC3, -0x8000
+        Path(f"{out}/{tag}/torch_dist").mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), f"{out}/{tag}/torch_dist")
+        dist.barrier()
+
+
+def write_megatron_moe(out: str | Path, cfg: dict, layout: str) -> Path:
+    out = Path(out)
+    spawn_ranks(_worker, 2, str(out), cfg, LAYOUTS[layout])
+    return out
+
+
+def chunk_boxes(path: str | Path, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The (offsets, sizes) of every chunk DCP stored for ``key`` (read from its .metadata by torch)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata[key]
+    return sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)  # type: ignore[union-attr]

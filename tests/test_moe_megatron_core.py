@@ -1,0 +1,96 @@
+"""dcr diff of MoE checkpoints written by megatron-core itself in four parallel layouts (moe_megatron_writers.py).
+
+Expert parallel 2 with SequentialMLP and with the legacy GroupedMLP; attention TP=2 with expert
+tensor parallel 2; attention TP=2 with the experts expert-parallel over the same ranks. Each is
+diffed with ``--profile config.json`` (vocab padding 50 -> 64, router, qk-norm, RMSNorm weights
+kept in F32 by megatron: the cast path), whole and by ``--rank/--world-size`` producers, and the
+delta applied to an independent HF export (torch's own DCP loader + the tests' dense conversion,
+no dcr code) must give the target's export bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from conftest import require_or_skip
+from safetensors.torch import save_file
+from shard_oracle import assert_oracle
+from shard_writers import full_tensors_from_dcp, megatron_to_hf
+
+from dcr_cli.delta.inspect import inspect
+from dcr_cli.delta.parts import assemble
+from dcr_cli.delta.reader import Delta
+from dcr_cli.produce import diff
+
+require_or_skip("megatron.core.dist_checkpointing")
+
+from moe_megatron_writers import LAYOUTS, chunk_boxes, write_megatron_moe
+from test_shards_megatron import COMMON
+
+MOE = {**COMMON, "tie_word_embeddings": False, "num_experts": 4, "moe_intermediate_size": 8,
+       "megatron": {"padded_vocab_size": 64}}  # fmt: skip
+FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"  # [L, E, 2F, H], SequentialMLP's and GroupedMLP's key
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    root = write_megatron_moe(tmp_path_factory.mktemp(request.param), MOE, request.param)
+    for tag in ("base", "target"):
+        full = full_tensors_from_dcp(root / tag / "torch_dist", root, moe=True)
+        (root / tag / "hf").mkdir()
+        save_file(megatron_to_hf(full, MOE), str(root / tag / "hf" / "model.safetensors"))
+    return request.param, root
+
+
+def test_the_layout_is_the_one_named(written: tuple[str, Path]) -> None:
+    # The chunks megatron-core wrote for the expert fc1 tensor show the parallel layout.
+    layout, root = written
+    boxes = chunk_boxes(root / "base" / "torch_dist", FC1)
+    L, E, F, H = MOE["num_hidden_layers"], MOE["num_experts"], MOE["moe_intermediate_size"], MOE["hidden_size"]
+    assert {off[0] for off, _ in boxes} == set(range(L))
+    # SequentialMLP saves each expert as its own chunk, GroupedMLP a rank's experts as one.
+    per_chunk = 2 if LAYOUTS[layout]["grouped"] else 1
+    assert {off[1] for off, _ in boxes} == set(range(0, E, per_chunk))
+    assert all(size[1] == per_chunk and size[3] == H for _, size in boxes)
+    # SwiGLU fc1 is saved as gate and up fragments; expert TP halves each again (one half per rank).
+    rows = F // 2 if LAYOUTS[layout]["etp"] == 2 else F
+    assert {size[2] for _, size in boxes} == {rows}
+    assert {off[2] for off, _ in boxes} == set(range(0, 2 * F, rows))
+
+
+def test_megatron_core_moe_delta_is_exact(written: tuple[str, Path], tmp_path: Path) -> None:
+    _, root = written
+    base, new = root / "base" / "torch_dist", root / "target" / "torch_dist"
+    out = tmp_path / "d"
+    summary = diff(base, new, out, profile=copy.deepcopy(MOE))
+    assert summary is not None and summary.changed_elements > 0
+    assert_oracle(out, root / "base" / "hf", root / "target" / "hf")
+
+    rows = {r.tensor: r for r in inspect(out).tensors}
+    names = set(Delta.open(out).manifest.tensors)
+    experts = {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight"
+               for layer in range(2) for e in range(4) for p in ("gate", "up", "down")}  # fmt: skip
+    assert experts <= names and {"model.layers.0.mlp.gate.weight", "model.layers.1.self_attn.k_norm.weight"} <= names
+    assert Delta.open(out).manifest.tensors["model.embed_tokens.weight"].shape == (MOE["vocab_size"], 16)  # unpadded
+    for norm in ("model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.q_norm.weight",
+                 "model.layers.0.post_attention_layernorm.weight"):  # fmt: skip
+        assert rows[norm].residual == "dtype cast F32->BF16", norm
+    assert rows["model.layers.0.mlp.experts.3.up_proj.weight"].residual is None
+    assert rows["model.layers.1.mlp.gate.weight"].residual is None
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_producers_on_an_moe_checkpoint_assemble_the_same_delta(
+    written: tuple[str, Path], tmp_path: Path, world_size: int
+) -> None:
+    _, root = written
+    base, new = root / "base" / "torch_dist", root / "target" / "torch_dist"
+    whole, parted = tmp_path / "whole", tmp_path / "parted"
+    diff(base, new, whole, profile=copy.deepcopy(MOE))
+    for rank in range(world_size):
+        diff(base, new, parted, profile=copy.deepcopy(MOE), rank=rank, world_size=world_size)
+    assemble(parted)
+    assert Delta.open(parted).manifest.tensors == Delta.open(whole).manifest.tensors
+    assert_oracle(parted, root / "base" / "hf", root / "target" / "hf")
