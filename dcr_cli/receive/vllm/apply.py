@@ -33,6 +33,7 @@ from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.codec import DecodedItem
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
+from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .placement import (
     TORCH_DTYPES,
@@ -85,6 +86,7 @@ class ApplyReport:
     repaired: int = 0
     written_elements: int = 0
     seconds: float = 0.0
+    staged: int = 0  # items whose first pass ran before the pause (``prepare``)
     proof_seconds: float = 0.0  # reading back the touched tensors after the writes
     # Seconds per phase inside the engine: check, first_pass (before any write; done before the
     # pause where the client staged the delta), writes, proof.
@@ -129,6 +131,7 @@ class Staged:
     resuming: bool
     prepared: dict[int, Prepared]  # item index -> first pass result (within PREPARED_BYTES)
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # of the prepare: check, fingerprint
 
 
 @dataclass
@@ -192,6 +195,7 @@ class EngineReceiver:
         self._prepared_bytes = 0
         self._staged: Staged | None = None
         self._skip_blocks = False
+        self._fingerprint_seconds = 0.0
         self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
 
     def resident(self) -> dict[str, torch.Tensor]:
@@ -324,6 +328,22 @@ class EngineReceiver:
             digest.update(span)
         return digest.hexdigest()
 
+    def digests(self, table: dict[str, TensorEntry], names: list[str] | None = None) -> dict[str, str]:
+        """Digests of tensors of ``table`` as held (default: all), largest first on all cores when on one rank.
+
+        Placements are resolved first (tracing runs the loader: one thread); BLAKE3 releases the GIL.
+        """
+        chosen = sorted(table) if names is None else names
+        sizes = {n: self.placement(n, table[n]).numel * TORCH_DTYPES[table[n].dtype].itemsize for n in chosen}
+        if not self.single:  # the read-back exchanges pieces: every rank in the same order, one at a time
+            return {n: self.tensor_digest(n, table[n]) for n in chosen}
+
+        def task(name: str) -> Callable[[], tuple[str, str]]:
+            return lambda: (name, self.tensor_digest(name, table[name]))
+
+        largest_first = sorted(chosen, key=lambda n: -sizes[n])
+        return dict(ordered_parallel((task(n) for n in largest_first), default_workers()))
+
     def read_tensor(self, name: str, entry: TensorEntry) -> np.ndarray:
         """The whole canonical tensor as the engine holds it (all ranks), C order, unsigned view.
 
@@ -355,10 +375,8 @@ class EngineReceiver:
 
     def fingerprint_resident(self, table: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
         """Digest every tensor of ``table``'s layout as the engine holds it (the base, established)."""
-        return {
-            name: TensorEntry(entry.dtype, entry.shape, self.tensor_digest(name, entry))
-            for name, entry in sorted(table.items())
-        }
+        digests = self.digests(table)
+        return {name: TensorEntry(entry.dtype, entry.shape, digests[name]) for name, entry in sorted(table.items())}
 
     def check(self, delta: Delta, staged: Staged | None = None) -> str:
         """Every check before the first write. Returns "apply", "resume" or "noop".
@@ -382,7 +400,9 @@ class EngineReceiver:
                 "re-run that delta (or one with the same base and target) to finish it first"
             )
         if self.state.fingerprint is None:
+            started = time.perf_counter()
             resident = self.fingerprint_resident(m.tensors)
+            self._fingerprint_seconds = time.perf_counter() - started
             held = fingerprint(resident)
             if held == m.target.fingerprint:
                 self._reached(m.target.version, held, m.tensors)
@@ -451,9 +471,12 @@ class EngineReceiver:
         proves. Returns the mode, as ``check``.
         """
         self._staged = None
+        self._fingerprint_seconds = 0.0
+        started = time.perf_counter()
         mode = self.check(delta)
         if mode == "noop":
             return mode
+        phases = {"prepare_check": time.perf_counter() - started, "fingerprint": self._fingerprint_seconds}
         started = time.perf_counter()
         resuming = mode == "resume"
         base_table = self.held_table() if self.state.fingerprint == delta.manifest.base.fingerprint else None
@@ -465,7 +488,7 @@ class EngineReceiver:
         finally:
             self._prepared.clear()
             self._prepared_bytes = 0
-        self._staged = Staged(delta.id, self._state_key(), resuming, prepared, time.perf_counter() - started)
+        self._staged = Staged(delta.id, self._state_key(), resuming, prepared, time.perf_counter() - started, phases)
         return mode
 
     def _take_staged(self, delta: Delta) -> Staged | None:
@@ -486,7 +509,7 @@ class EngineReceiver:
         resuming = mode == "resume"
         if staged is not None and staged.resuming != resuming:
             staged = None
-        phases = {"check": time.perf_counter() - started}
+        phases = {**(staged.phases if staged is not None else {}), "check": time.perf_counter() - started}
         base_table = self.held_table() if self.state.fingerprint == m.base.fingerprint else None
         try:
             if base_table is not None:
@@ -496,6 +519,7 @@ class EngineReceiver:
             if len(kept) < len(m.items):  # items the staged pass could not keep are checked again here
                 self.agree(lambda: self._first_pass(delta, resuming, skip=kept))
             prepared = {**kept, **self._prepared}
+            staged_items = len(kept)
             self._prepared.clear()
             self._prepared_bytes = 0
             phases["first_pass"] = time.perf_counter() - t + (staged.seconds if staged is not None else 0.0)
@@ -505,6 +529,7 @@ class EngineReceiver:
                 "target": {"version": m.target.version, "fingerprint": m.target.fingerprint},
             }
             report = ApplyReport("resumed" if resuming else "applied", m.target.version, m.target.fingerprint)
+            report.staged = staged_items
             t = time.perf_counter()
             for name, items in _grouped(delta):
                 placement = self.placement(name, m.tensors[name])
@@ -521,7 +546,7 @@ class EngineReceiver:
         # the target table. Until it does, the engine stays "applying" and no version is recorded.
         t = time.perf_counter()
         names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
-        digests = {name: self.tensor_digest(name, m.tensors[name]) for name in names}
+        digests = self.digests(m.tensors, names)
         report.proof_seconds = phases["proof"] = time.perf_counter() - t
         bad = receiver_plan.unproven(m, digests)
         if bad:
@@ -539,18 +564,29 @@ class EngineReceiver:
         weights were changed by something other than dcr. Resuming may find items done or torn.
         Items that fit PREPARED_BYTES are kept, with the elements read, for the write pass.
         """
+        where = f"vLLM engine (recorded version {self.state.version})"
+        todo = []
         for name, items in _grouped(delta):
             placement = self.placement(name, delta.manifest.tensors[name])
-            for k, item in items:
-                if skip and k in skip:
-                    continue
+            todo += [(k, item, placement) for k, item in items if not (skip and k in skip)]
+        self.resident()  # collected once, before any thread reads it
+
+        def task(k: int, item: Item, placement: Placement) -> Callable[[], tuple[int, Prepared]]:
+            def run() -> tuple[int, Prepared]:
                 prepared = self._read(placement, self._locate_item(delta, item, placement))
-                receiver_plan.classify(
-                    prepared.digest, item, resuming, f"vLLM engine (recorded version {self.state.version})"
-                )
-                if self._prepared_bytes + prepared.nbytes <= PREPARED_BYTES:
-                    self._prepared[k] = prepared
-                    self._prepared_bytes += prepared.nbytes
+                receiver_plan.classify(prepared.digest, item, resuming, where)
+                return k, prepared
+
+            return run
+
+        tasks = (task(*t) for t in todo)
+        # One rank: items on all cores (zstd, BLAKE3 and numpy's copies release the GIL); several
+        # ranks exchange pieces per item, in the same order on every rank.
+        results = ordered_parallel(tasks, default_workers()) if self.single else (run() for run in tasks)
+        for k, prepared in results:
+            if self._prepared_bytes + prepared.nbytes <= PREPARED_BYTES:
+                self._prepared[k] = prepared
+                self._prepared_bytes += prepared.nbytes
 
     def _locate_item(self, delta: Delta, item: Item, placement: Placement) -> Prepared:
         """The item decoded (section digest, frames) and located on this rank."""
@@ -599,7 +635,8 @@ class EngineReceiver:
         self._begin()
         self._staged = None
         check_layout_kept(self.model)
-        mismatched = [name for name, entry in sorted(table.items()) if self.tensor_digest(name, entry) != entry.digest]
+        digests = self.digests(table)
+        mismatched = [name for name, entry in sorted(table.items()) if digests[name] != entry.digest]
         return {"tensors": len(table), "mismatched": mismatched, "fingerprint": fingerprint(table)}
 
 
