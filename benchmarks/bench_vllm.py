@@ -174,7 +174,10 @@ def main() -> None:
             share = a["proof_seconds"] / max(a["wall"], 1e-9)
             print(f"    proof {a['proof_seconds'] * 1e3:.1f} ms ({share:.0%} of the apply)")
         if "pause_seconds" in a:
-            print(f"    engine pause window: {a['pause_seconds'] * 1e3:8.1f} ms  {a['pause_seconds'] / dense:5.2f}x")
+            print(
+                f"    engine pause window: {a['pause_seconds'] * 1e3:8.1f} ms  {a['pause_seconds'] / dense:5.2f}x"
+                f"   (checked and read before it: {a.get('prepare_seconds', 0.0) * 1e3:.1f} ms)"
+            )
     label = f"verify_llm (median of {args.repeat}):"
     print(f"{label:<59}{verify_s * 1e3:8.1f} ms  {verify_s / dense:5.2f}x")
     print(f"  load average {os.getloadavg()[0]:.1f}")
