@@ -1,44 +1,109 @@
 """dcr apply into a live vLLM engine vs vLLM's own dense reload of the same checkpoint, side by side.
 
-    PYTHONPATH=. python benchmarks/bench_vllm.py [--size small] [--repeat 3]
+    PYTHONPATH=. python benchmarks/bench_vllm.py [--size medium] [--rates 0.03,0.005] [--repeat 3]
+    PYTHONPATH=. python benchmarks/bench_vllm.py --source train --size small    # two real AdamW steps
 
-Trains a model of the given size for two real AdamW steps (BF16 checkpoints, lr 1e-6 as in RL
-fine-tuning), diffs the steps, starts one in-process vLLM engine (CPU, dcr backend) on step-0 and
-measures, on that engine:
+Synthetic corpus (default, nothing downloaded): a Qwen3-shaped BF16 checkpoint with random weights
+(``--size``: tiny ~4 MiB, small ~44 MiB, medium ~0.5 GiB, large ~1 GiB); each later version changes
+the given fraction of all elements at uniformly random positions (a step in the low mantissa bits,
+like an RL step in BF16). Version v1 is the first rate, v2.. each rate in turn, so the engine sees
 
-* dcr apply of step-0 -> step-1: the first apply, which also establishes the engine's base version
-  by reading back and digesting every tensor through the placement (once per engine);
-* dcr apply of step-1 -> step-2: the steady state (check, pause, sparse in-place update, version
-  bump, prefix-cache reset, resume);
-* vLLM's dense reload of step-2: ``model.load_weights`` of every tensor read from the safetensors
-  file (what a full refit costs without dcr, excluding any transfer).
+* the first apply v0 -> v1: it also establishes the engine's base version by reading back and
+  digesting every tensor through the placement (once per engine);
+* one steady apply per rate (check, pause, sparse in-place update, proof, version bump,
+  prefix-cache reset, resume), each with its pause window (pause .. resume, as the client sees it);
+* ``verify_llm`` (every tensor read back and digested);
+* vLLM's dense reload of the last version: ``model.load_weights`` of every tensor read from the
+  safetensors file (page cache; what a full refit costs without dcr, excluding any transfer).
 
-Prints the times and the ratio dense / apply. The dcr plugin must be discoverable by vLLM (an
-installed dcr, or tests/vllm_support.ensure_plugin_entry_point, which this script calls).
+Every ratio is against that dense reload, measured in the same run on the same engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+
+SHAPES = {
+    # hidden, intermediate, layers, heads, kv heads, vocab (head_dim 64 throughout)
+    "tiny": (128, 384, 2, 2, 1, 1024),
+    "small": (512, 1536, 4, 8, 4, 8192),
+    "medium": (1024, 3072, 16, 16, 8, 32000),
+    "large": (2048, 6144, 10, 32, 8, 32000),
+}
+
+
+def synthetic_versions(work: Path, size: str, rates: list[float], seed: int = 0) -> list[Path]:
+    """v0 (random BF16 weights) and one version per rate, each changing that fraction of v(k-1)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hidden, inter, layers, heads, kv, vocab = SHAPES[size]
+    config = Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in Qwen3ForCausalLM(config).state_dict().items()}
+    rng = np.random.default_rng(seed)
+    bits: dict[str, np.ndarray] = {}
+    for name, shape in shapes.items():
+        n = int(np.prod(shape))
+        if name.endswith("norm.weight"):
+            values = np.ones(n, dtype=np.float32) + rng.standard_normal(n, dtype=np.float32) * 0.01
+        else:
+            values = rng.standard_normal(n, dtype=np.float32) * 0.02
+        bits[name] = (values.view(np.uint32) >> 16).astype(np.uint16)
+    cfg = config.to_dict()
+    cfg.update(torch_dtype="bfloat16", dtype="bfloat16", architectures=["Qwen3ForCausalLM"])
+
+    def save(k: int) -> Path:
+        out = work / f"v{k}"
+        out.mkdir(parents=True)
+        state = {n: torch.from_numpy(b.view(np.int16)).view(torch.bfloat16).reshape(shapes[n]) for n, b in bits.items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        return out
+
+    paths = [save(0)]
+    for k, rate in enumerate(rates, start=1):
+        for b in bits.values():
+            mask = rng.random(b.size) < rate
+            b[mask] ^= rng.integers(1, 4, size=int(mask.sum()), dtype=np.uint16)
+        paths.append(save(k))
+    return paths
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", choices=["tiny", "small"])
-    parser.add_argument("--repeat", type=int, default=3, help="dense reloads to time (median)")
-    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--source", default="synthetic", choices=["synthetic", "train"])
+    parser.add_argument("--size", default="medium", choices=sorted(SHAPES))
+    parser.add_argument("--rates", default="0.03,0.03,0.005", help="change rate of each version after v0")
+    parser.add_argument("--repeat", type=int, default=3, help="dense reloads and verifies to time (median)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="--source train: AdamW learning rate")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
 
     sys.path[:0] = [str(REPO / "tests"), str(REPO / "examples")]
-    from train_tiny import train
     from vllm_support import engine_env, ensure_plugin_entry_point, resident_model, start_llm
 
     from dcr_cli.produce import diff
@@ -47,21 +112,36 @@ def main() -> None:
     engine_env()
     ensure_plugin_entry_point()
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-vllm-"))
-    paths = train(work, 2, args.size, lr=args.lr)
-    summaries = [
-        diff(paths[i - 1], paths[i], work / f"d{i}", base_version=f"step-{i - 1}", target_version=f"step-{i}")
-        for i in (1, 2)
-    ]
-    checkpoint_bytes = sum(f.stat().st_size for f in paths[2].glob("*.safetensors"))
+    if args.source == "train":
+        from train_tiny import train
+
+        if args.size not in ("tiny", "small"):
+            parser.error("--source train builds tiny or small only")
+        paths = train(work, 2, args.size, lr=args.lr)
+        rates: list[float | None] = [None, None]
+    else:
+        rates = [float(r) for r in args.rates.split(",")]
+        paths = synthetic_versions(work, args.size, rates)  # type: ignore[arg-type]
+    deltas = []
+    for i in range(1, len(paths)):
+        out = work / f"d{i}"
+        deltas.append(diff(paths[i - 1], paths[i], out, base_version=f"v{i - 1}", target_version=f"v{i}"))
+    checkpoint_bytes = sum(f.stat().st_size for f in paths[-1].glob("*.safetensors"))
 
     llm = start_llm(paths[0])
-    t = time.perf_counter()
-    apply_to_llm(llm, work / "d1")
-    first = time.perf_counter() - t
-    t = time.perf_counter()
-    report = apply_to_llm(llm, work / "d2")
-    steady = time.perf_counter() - t
-    verify_llm(llm)
+    figures: dict[str, Any] = {"size": args.size, "checkpoint_mib": checkpoint_bytes / 2**20, "applies": []}
+    for i in range(1, len(paths)):
+        t = time.perf_counter()
+        report = apply_to_llm(llm, work / f"d{i}")
+        wall = time.perf_counter() - t
+        figures["applies"].append({"delta": f"d{i}", "rate": rates[i - 1], "wall": wall, **report})
+
+    verify_times = []
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        verify_llm(llm)
+        verify_times.append(time.perf_counter() - t)
+    verify_s = statistics.median(verify_times)
 
     from safetensors import safe_open
 
@@ -69,23 +149,40 @@ def main() -> None:
     dense_times = []
     for _ in range(args.repeat):
         t = time.perf_counter()
-        with safe_open(str(paths[2] / "model.safetensors"), "pt") as f:
+        with safe_open(str(paths[-1] / "model.safetensors"), "pt") as f:
             model.load_weights((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
         llm.reset_prefix_cache()
         dense_times.append(time.perf_counter() - t)
     verify_llm(llm)  # the dense reload of the same checkpoint leaves the same bits
     dense = statistics.median(dense_times)
+    figures.update(dense=dense, dense_all=dense_times, verify=verify_s)
 
-    print(f"model: {args.size}, checkpoint {checkpoint_bytes / 2**20:.1f} MiB, cores {os.cpu_count()}")
-    print(
-        f"changed elements step-1 -> step-2: {report['written_elements']} ({report['items']} items); "
-        f"delta payload {summaries[1].payload_bytes / 2**20:.2f} MiB vs checkpoint {checkpoint_bytes / 2**20:.1f} MiB"
-    )
-    print(f"dcr apply, first (establishes base by read-back): {first * 1e3:8.1f} ms")
-    print(f"dcr apply, steady state (whole RL-route cycle):   {steady * 1e3:8.1f} ms")
-    print(f"  of which in-engine apply:                       {report['seconds'] * 1e3:8.1f} ms")
-    print(f"vLLM dense reload (load_weights, median of {args.repeat}):  {dense * 1e3:8.1f} ms")
-    print(f"ratio dense / dcr apply (steady): {dense / steady:.2f}x")
+    print(f"model: {args.size}, checkpoint {checkpoint_bytes / 2**20:.1f} MiB, cores {len(os.sched_getaffinity(0))}")
+    print(f"vLLM dense reload (load_weights, median of {args.repeat}):      {dense * 1e3:8.1f} ms   1.00x")
+    for k, a in enumerate(figures["applies"]):
+        label = "first " if k == 0 else "steady"
+        rate = "" if a["rate"] is None else f"{a['rate']:.1%}"
+        print(
+            f"dcr apply {a['delta']} ({label}, {rate:>5} changed, {a['written_elements']:>10,} elements): "
+            f"{a['wall'] * 1e3:8.1f} ms  {a['wall'] / dense:5.2f}x"
+        )
+        parts = a.get("phases") or {}
+        if parts:
+            shown = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in parts.items())
+            print(f"    in-engine phases (ms): {shown}")
+        if "proof_seconds" in a:
+            share = a["proof_seconds"] / max(a["wall"], 1e-9)
+            print(f"    proof {a['proof_seconds'] * 1e3:.1f} ms ({share:.0%} of the apply)")
+        if "pause_seconds" in a:
+            print(
+                f"    engine pause window: {a['pause_seconds'] * 1e3:8.1f} ms  {a['pause_seconds'] / dense:5.2f}x"
+                f"   (checked and read before it: {a.get('prepare_seconds', 0.0) * 1e3:.1f} ms)"
+            )
+    label = f"verify_llm (median of {args.repeat}):"
+    print(f"{label:<59}{verify_s * 1e3:8.1f} ms  {verify_s / dense:5.2f}x")
+    print(f"  load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, default=str))
 
 
 if __name__ == "__main__":

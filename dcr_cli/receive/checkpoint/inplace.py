@@ -32,7 +32,18 @@ from ...io.pool import ordered_parallel
 
 GAP_BYTES = 4096  # unchanged bytes between two written elements that a run rewrites rather than split
 RUN_BYTES = 4 << 20  # longest run (bounds the buffer one write needs)
-READ_CHUNK = 16 << 20  # bytes per read when digesting a tensor
+READ_CHUNK = 1 << 20  # bytes per read when digesting a tensor (stays in a core's L2 between read and hash)
+
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable read buffer (at least ``nbytes``): a fresh array per read would
+    page-fault its memory in again every time, which costs more than the read itself."""
+    buf: np.ndarray | None = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, READ_CHUNK), dtype=np.uint8)
+    return buf
 
 
 @dataclass(frozen=True)
@@ -100,11 +111,13 @@ class InPlaceFiles:
         for name in names:
             self._fd(self.locations[name].file)
 
-    def read(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Elements [start, stop) of a tensor, as its unsigned integers (a fresh array)."""
+    def read(self, name: str, start: int, stop: int, *, scratch: bool = False) -> np.ndarray:
+        """Elements [start, stop) of a tensor, as its unsigned integers: a fresh array, or with
+        ``scratch`` a view of this thread's read buffer (valid until its next scratch read)."""
         loc = self.locations[name]
         uint = lookup_dtype(loc.dtype).uint
-        out = np.empty(max(0, stop - start), dtype=uint)
+        count = max(0, stop - start)
+        out = _scratch(count * uint.itemsize)[: count * uint.itemsize].view(uint) if scratch else np.empty(count, uint)
         if out.size:
             _read_into(self._fd(loc.file), loc.start + start * uint.itemsize, _bytes(out), name)
         return out
@@ -116,7 +129,7 @@ class InPlaceFiles:
         uint = lookup_dtype(self.locations[name].dtype).uint
         out = np.empty(index.size, dtype=uint)
         for run in runs:
-            span = self.read(name, run.first, run.last + 1)
+            span = self.read(name, run.first, run.last + 1, scratch=True)
             out[run.lo : run.hi] = span if run.dense else span[index[run.lo : run.hi] - run.first]
         return out
 
@@ -136,7 +149,7 @@ class InPlaceFiles:
             if run.dense:
                 data = values[run.lo : run.hi]
             else:
-                data = self.read(name, run.first, run.last + 1)
+                data = self.read(name, run.first, run.last + 1, scratch=True)
                 data[index[run.lo : run.hi] - run.first] = values[run.lo : run.hi]
             _write_values(fd, loc.start + run.first * uint.itemsize, _bytes(data))
 
@@ -147,7 +160,7 @@ class InPlaceFiles:
         step = max(1, READ_CHUNK // itemsize)
         digest = StreamingDigest()
         for start in range(0, loc.numel, step):
-            digest.update(self.read(name, start, min(loc.numel, start + step)))
+            digest.update(self.read(name, start, min(loc.numel, start + step), scratch=True))
         return digest.hexdigest()
 
     def sync(self) -> None:

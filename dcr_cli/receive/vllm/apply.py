@@ -33,6 +33,7 @@ from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.codec import DecodedItem
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
+from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .layout import check_resident_layout
 from .placement import (
@@ -86,6 +87,11 @@ class ApplyReport:
     repaired: int = 0
     written_elements: int = 0
     seconds: float = 0.0
+    staged: int = 0  # items whose first pass ran before the pause (``prepare``)
+    proof_seconds: float = 0.0  # reading back the touched tensors after the writes
+    # Seconds per phase inside the engine: check, first_pass (before any write; done before the
+    # pause where the client staged the delta), writes, proof.
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -97,15 +103,36 @@ PREPARED_BYTES = 256 << 20
 
 @dataclass
 class Prepared:
+    """An item decoded and located on this rank, with its elements as the first pass read them."""
+
     decoded: DecodedItem
     located: list[Located]
     count: int
+    current: np.ndarray | None = None  # the item's elements (all ranks) when first read
+    digest: str | None = None  # their digest (None: replicas disagree)
 
     @property
     def nbytes(self) -> int:
         held = [self.decoded.values] + ([self.decoded.positions] if self.decoded.positions is not None else [])
-        held += [a for at in self.located for a in (at.hit, at.index)]
+        held += [a for at in self.located for a in (at.hit, at.index) if isinstance(a, np.ndarray)]
+        held += [self.current] if self.current is not None else []
         return sum(a.nbytes for a in held)
+
+
+@dataclass
+class Staged:
+    """A delta's first pass, run by the client's ``prepare`` before it pauses the engine.
+
+    Valid only for the same delta, from the same recorded state, in the same mode; the update
+    that follows then writes at once. Anything else (another delta, a write in between) drops it.
+    """
+
+    delta_id: str
+    key: tuple[str | None, str | None]  # (fingerprint, applying delta) when staged
+    resuming: bool
+    prepared: dict[int, Prepared]  # item index -> first pass result (within PREPARED_BYTES)
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # of the prepare: check, fingerprint
 
 
 @dataclass
@@ -113,9 +140,17 @@ class Located:
     """One destination's share of an item: which positions it holds and at which storage elements."""
 
     dest: Destination
-    hit: np.ndarray  # bool per item position
+    hit: np.ndarray | slice  # the item positions it holds: a bool per position, or a slice of them
     index: np.ndarray  # storage element indices (int64) of the hit positions
     flat: torch.Tensor  # the parameter's whole storage as integers
+
+    def positions(self, count: int) -> np.ndarray | None:
+        """Indices of the item positions held (None: every position)."""
+        if self.index.size == count:
+            return None
+        if isinstance(self.hit, slice):
+            return np.arange(self.hit.start, self.hit.stop)
+        return np.flatnonzero(self.hit)
 
     def read(self) -> torch.Tensor:
         """Current bits at ``index`` (on the CPU; numpy indexing there, which is cheaper for scattered reads)."""
@@ -152,12 +187,17 @@ class EngineReceiver:
     def __init__(self, model: torch.nn.Module, exchange: Exchange = single_rank) -> None:
         self.model = model
         self.exchange = exchange
+        self.single = exchange is single_rank  # one rank: canonical tensors can be read where they live
         self.state = EngineState()
         self._placements: dict[str, Placement] = {}
         self._resident: dict[str, torch.Tensor] | None = None
         # Items decoded and located by the check pass, for the write pass (bounded by PREPARED_BYTES).
         self._prepared: dict[int, Prepared] = {}
         self._prepared_bytes = 0
+        self._staged: Staged | None = None
+        self._skip_blocks = False
+        self._fingerprint_seconds = 0.0
+        self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
 
     def resident(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers by name; collected once per operation (walking modules is slow)."""
@@ -188,7 +228,14 @@ class EngineReceiver:
         resident = self.resident()
         located = []
         for dest in placement.destinations:
-            hit, index = dest.locate(canonical)
+            hit: np.ndarray | slice
+            if dest.contiguous:
+                # Canonical indices of an item increase (positions do, and a box keeps C order), so a
+                # contiguous copy holds one slice of them: two binary searches, one add.
+                lo, hi = (int(i) for i in np.searchsorted(canonical, [dest.src_offset, dest.src_offset + dest.numel]))
+                hit, index = slice(lo, hi), canonical[lo:hi] + (dest.dst_offset - dest.src_offset)
+            else:
+                hit, index = dest.locate(canonical)
             if index.size:
                 located.append(Located(dest, hit, index, flat_storage(resident[dest.param])))
         return located
@@ -196,10 +243,7 @@ class EngineReceiver:
     def assemble(self, placement: Placement, count: int, located: list[Located]) -> tuple[np.ndarray, bool]:
         """The item's elements as held by the engine (all ranks), and whether replicas disagree."""
         local = [
-            (
-                None if at.index.size == count else np.flatnonzero(at.hit),  # None: every position
-                _as_uint(_to_canonical(at.read(), at.dest, placement.dtype)),
-            )
+            (at.positions(count), _as_uint(_to_canonical(at.read(), at.dest, placement.dtype)))  # None: every position
             for at in located
         ]
         pieces = [piece for rank_pieces in self.exchange(local) for piece in rank_pieces]
@@ -224,8 +268,25 @@ class EngineReceiver:
             )
         return values, divergent
 
-    def write(self, placement: Placement, located: list[Located], new: np.ndarray) -> int:
-        """Write ``new`` at every local destination, only where the bits differ."""
+    def write(
+        self, placement: Placement, located: list[Located], new: np.ndarray, current: np.ndarray | None = None
+    ) -> int:
+        """Write ``new`` at every local destination, only where the bits differ.
+
+        ``current``: the elements as this pass read them, when they are the only copy (one rank,
+        one destination that holds the whole item, no cast): the differing ones are known without
+        reading the storage again.
+        """
+        if current is not None and len(located) == 1 and self.single and located[0].flat.device.type == "cpu":
+            at = located[0]
+            assert not at.dest.cast(placement.dtype) and at.index.size == new.size
+            differs = current != new
+            count = int(np.count_nonzero(differs))
+            if count == new.size:
+                _write_elements(at.flat.numpy(), at.index, new.view(_np_int(placement.dtype)))
+            elif count:
+                _write_elements(at.flat.numpy(), at.index[differs], new[differs].view(_np_int(placement.dtype)))
+            return count
         written = 0
         for at in located:
             want = torch.from_numpy(np.ascontiguousarray(new[at.hit]).view(_np_int(placement.dtype)))
@@ -233,6 +294,56 @@ class EngineReceiver:
                 want = want.view(placement.dtype).to(at.dest.dst_dtype).view(at.flat.dtype)
             written += at.write_where_different(want)
         return written
+
+    def spans(self, placement: Placement) -> list[np.ndarray] | None:
+        """The canonical tensor as views of resident storage, in canonical order; None if not held so.
+
+        On one rank, where the loader copies the tensor without a cast into contiguous runs that
+        tile it exactly (every weight at TP=1, fused qkv/gate_up blocks included), the canonical
+        bytes *are* those runs: they are digested where they live, without a copy.
+        """
+        if not self.single:
+            return None
+        resident = self.resident()
+        out: list[np.ndarray] = []
+        at = 0
+        for dest in sorted(placement.destinations, key=lambda d: d.src_offset):
+            if dest.cast(placement.dtype) or not dest.contiguous or dest.src_offset != at:
+                return None
+            flat = flat_storage(resident[dest.param])
+            if flat.device.type != "cpu":
+                return None
+            out.append(_as_uint(flat[dest.dst_offset : dest.dst_offset + dest.numel]))
+            at += dest.numel
+        return out if at == placement.numel else None
+
+    def tensor_digest(self, name: str, entry: TensorEntry) -> str:
+        """Digest of the canonical tensor as the engine holds it (all ranks)."""
+        spans = self.spans(self.placement(name, entry))
+        if spans is None:
+            return digest_bytes(self.read_tensor(name, entry))
+        if len(spans) == 1:
+            return digest_bytes(spans[0])
+        digest = StreamingDigest()
+        for span in spans:
+            digest.update(span)
+        return digest.hexdigest()
+
+    def digests(self, table: dict[str, TensorEntry], names: list[str] | None = None) -> dict[str, str]:
+        """Digests of tensors of ``table`` as held (default: all), largest first on all cores when on one rank.
+
+        Placements are resolved first (tracing runs the loader: one thread); BLAKE3 releases the GIL.
+        """
+        chosen = sorted(table) if names is None else names
+        sizes = {n: self.placement(n, table[n]).numel * TORCH_DTYPES[table[n].dtype].itemsize for n in chosen}
+        if not self.single:  # the read-back exchanges pieces: every rank in the same order, one at a time
+            return {n: self.tensor_digest(n, table[n]) for n in chosen}
+
+        def task(name: str) -> Callable[[], tuple[str, str]]:
+            return lambda: (name, self.tensor_digest(name, table[name]))
+
+        largest_first = sorted(chosen, key=lambda n: -sizes[n])
+        return dict(ordered_parallel((task(n) for n in largest_first), default_workers()))
 
     def read_tensor(self, name: str, entry: TensorEntry) -> np.ndarray:
         """The whole canonical tensor as the engine holds it (all ranks), C order, unsigned view.
@@ -265,16 +376,22 @@ class EngineReceiver:
 
     def fingerprint_resident(self, table: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
         """Digest every tensor of ``table``'s layout as the engine holds it (the base, established)."""
-        return {
-            name: TensorEntry(entry.dtype, entry.shape, digest_bytes(self.read_tensor(name, entry)))
-            for name, entry in sorted(table.items())
-        }
+        digests = self.digests(table)
+        return {name: TensorEntry(entry.dtype, entry.shape, digests[name]) for name, entry in sorted(table.items())}
 
-    def check(self, delta: Delta) -> str:
-        """Every check before the first write. Returns "apply", "resume" or "noop"."""
+    def check(self, delta: Delta, staged: Staged | None = None) -> str:
+        """Every check before the first write. Returns "apply", "resume" or "noop".
+
+        ``staged``: this delta's first pass, run by ``prepare`` and still valid; where it kept every
+        item, nothing is read from the delta again, so its blocks need no second check.
+        """
         m = delta.manifest
         self._begin()
-        self.agree(lambda: self._check_local(delta))
+        self._skip_blocks = staged is not None and len(staged.prepared) == len(m.items)
+        try:
+            self.agree(lambda: self._check_local(delta))
+        finally:
+            self._skip_blocks = False
         applying = self.state.applying
         if applying is not None:
             if applying["delta_id"] == delta.id or receiver_plan.same_transition(applying, m):
@@ -284,7 +401,9 @@ class EngineReceiver:
                 "re-run that delta (or one with the same base and target) to finish it first"
             )
         if self.state.fingerprint is None:
+            started = time.perf_counter()
             resident = self.fingerprint_resident(m.tensors)
+            self._fingerprint_seconds = time.perf_counter() - started
             held = fingerprint(resident)
             if held == m.target.fingerprint:
                 self._reached(m.target.version, held, m.tensors)
@@ -315,7 +434,8 @@ class EngineReceiver:
             if entry.dtype not in TORCH_DTYPES:
                 raise FormatError(f"{name}: unsupported dtype {entry.dtype}")
             self.placement(name, entry)  # rejects what cannot be applied exactly, before any write
-        delta.verify_blocks()
+        if not self._skip_blocks:
+            delta.verify_blocks()
 
     def agree(self, local_check: Callable[[], None]) -> None:
         """Run a check on every rank and fail on all of them if it fails on one (no rank is left waiting)."""
@@ -331,88 +451,169 @@ class EngineReceiver:
     def _reached(self, version: str, fp: str, table: dict[str, TensorEntry]) -> None:
         self.state.version, self.state.fingerprint, self.state.applying = version, fp, None
         self.state.table = {n: t.to_json() for n, t in table.items()}
+        self._held = (fp, table) if fingerprint(table) == fp else None
+
+    def held_table(self) -> dict[str, TensorEntry] | None:
+        """The table of the version held (``EngineState.held_table``, without rebuilding it each time)."""
+        if self._held is None or self._held[0] != self.state.fingerprint:
+            return self.state.held_table()
+        return self._held[1]
+
+    def _state_key(self) -> tuple[str | None, str | None]:
+        return self.state.fingerprint, (self.state.applying or {}).get("delta_id")
 
     # ------------------------------------------------------------------ apply
+
+    @torch.no_grad()
+    def prepare(self, delta: Delta) -> str:
+        """What the client runs before it pauses the engine: every check and the first pass.
+
+        The first pass only reads (the engine serves on meanwhile); what it keeps (within
+        PREPARED_BYTES) is staged for the update of the same delta, which then only writes and
+        proves. Returns the mode, as ``check``.
+        """
+        self._staged = None
+        self._fingerprint_seconds = 0.0
+        started = time.perf_counter()
+        mode = self.check(delta)
+        if mode == "noop":
+            return mode
+        phases = {"prepare_check": time.perf_counter() - started, "fingerprint": self._fingerprint_seconds}
+        started = time.perf_counter()
+        resuming = mode == "resume"
+        base_table = self.held_table() if self.state.fingerprint == delta.manifest.base.fingerprint else None
+        try:
+            if base_table is not None:
+                receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
+            self.agree(lambda: self._first_pass(delta, resuming))
+            prepared = dict(self._prepared)
+        finally:
+            self._prepared.clear()
+            self._prepared_bytes = 0
+        self._staged = Staged(delta.id, self._state_key(), resuming, prepared, time.perf_counter() - started, phases)
+        return mode
+
+    def _take_staged(self, delta: Delta) -> Staged | None:
+        staged, self._staged = self._staged, None
+        if staged is None or staged.delta_id != delta.id or staged.key != self._state_key():
+            return None
+        return staged
 
     @torch.no_grad()
     def apply(self, delta: Delta) -> ApplyReport:
         started = time.perf_counter()
         m = delta.manifest
-        mode = self.check(delta)
+        staged = self._take_staged(delta)
+        mode = self.check(delta, staged)
         if mode == "noop":
             assert self.state.fingerprint is not None
             return ApplyReport("noop", m.target.version, self.state.fingerprint)
         resuming = mode == "resume"
-        base_table = self.state.held_table() if self.state.fingerprint == m.base.fingerprint else None
+        if staged is not None and staged.resuming != resuming:
+            staged = None
+        phases = {**(staged.phases if staged is not None else {}), "check": time.perf_counter() - started}
+        base_table = self.held_table() if self.state.fingerprint == m.base.fingerprint else None
         try:
             if base_table is not None:
                 receiver_plan.check_untouched(m, base_table, delta.url)
-            self.agree(lambda: self._first_pass(delta, resuming))
+            t = time.perf_counter()
+            kept = staged.prepared if staged is not None else {}
+            if len(kept) < len(m.items):  # items the staged pass could not keep are checked again here
+                self.agree(lambda: self._first_pass(delta, resuming, skip=kept))
+            prepared = {**kept, **self._prepared}
+            staged_items = len(kept)
+            self._prepared.clear()
+            self._prepared_bytes = 0
+            phases["first_pass"] = time.perf_counter() - t + (staged.seconds if staged is not None else 0.0)
             self.state.applying = {
                 "delta_id": delta.id,
                 "base": {"version": m.base.version, "fingerprint": m.base.fingerprint},
                 "target": {"version": m.target.version, "fingerprint": m.target.fingerprint},
             }
             report = ApplyReport("resumed" if resuming else "applied", m.target.version, m.target.fingerprint)
-            for name, items in delta.items_by_tensor():
+            report.staged = staged_items
+            t = time.perf_counter()
+            for name, items in _grouped(delta):
                 placement = self.placement(name, m.tensors[name])
-                for item in items:
-                    kind, written = self.apply_item(delta, item, placement, resuming)
+                for k, item in items:
+                    kind, written = self.apply_item(delta, item, placement, resuming, prepared.pop(k, None))
                     setattr(report, kind, getattr(report, kind) + 1)
                     report.items += 1
                     report.written_elements += written
+            phases["writes"] = time.perf_counter() - t
         finally:
             self._prepared.clear()
             self._prepared_bytes = 0
         # The proof: what was touched (everything, where the base table is unknown) reads back as
         # the target table. Until it does, the engine stays "applying" and no version is recorded.
+        t = time.perf_counter()
         names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
-        digests = {name: digest_bytes(self.read_tensor(name, m.tensors[name])) for name in names}
+        digests = self.digests(m.tensors, names)
+        report.proof_seconds = phases["proof"] = time.perf_counter() - t
         bad = receiver_plan.unproven(m, digests)
         if bad:
             raise receiver_plan.proof_failure(m, bad, "vLLM engine")
         self._reached(m.target.version, m.target.fingerprint, m.tensors)
+        report.phases = phases
         report.seconds = time.perf_counter() - started
         return report
 
-    def _first_pass(self, delta: Delta, resuming: bool) -> None:
+    def _first_pass(self, delta: Delta, resuming: bool, skip: dict[int, Prepared] | None = None) -> None:
         """Before any write: every item decodes (section digests, frames) and classifies.
 
         On a fresh apply every item must be at its pre-image: the recorded version says the engine
         is at the base, so an item that is not means the delta does not describe this base or the
         weights were changed by something other than dcr. Resuming may find items done or torn.
+        Items that fit PREPARED_BYTES are kept, with the elements read, for the write pass.
         """
-        for name, items in delta.items_by_tensor():
+        where = f"vLLM engine (recorded version {self.state.version})"
+        todo = []
+        for name, items in _grouped(delta):
             placement = self.placement(name, delta.manifest.tensors[name])
-            for item in items:
-                digest = self._current(delta, item, placement, keep=True)[0]
-                receiver_plan.classify(digest, item, resuming, f"vLLM engine (recorded version {self.state.version})")
+            todo += [(k, item, placement) for k, item in items if not (skip and k in skip)]
+        self.resident()  # collected once, before any thread reads it
 
-    def _prepare(self, delta: Delta, item: Item, placement: Placement) -> Prepared:
-        """The item decoded and located on this rank; taken from the check pass when it kept it."""
-        kept = self._prepared.pop(id(item), None)
-        if kept is not None:
-            return kept
+        def task(k: int, item: Item, placement: Placement) -> Callable[[], tuple[int, Prepared]]:
+            def run() -> tuple[int, Prepared]:
+                prepared = self._read(placement, self._locate_item(delta, item, placement))
+                receiver_plan.classify(prepared.digest, item, resuming, where)
+                return k, prepared
+
+            return run
+
+        tasks = (task(*t) for t in todo)
+        # One rank: items on all cores (zstd, BLAKE3 and numpy's copies release the GIL); several
+        # ranks exchange pieces per item, in the same order on every rank.
+        results = ordered_parallel(tasks, default_workers()) if self.single else (run() for run in tasks)
+        for k, prepared in results:
+            if self._prepared_bytes + prepared.nbytes <= PREPARED_BYTES:
+                self._prepared[k] = prepared
+                self._prepared_bytes += prepared.nbytes
+
+    def _locate_item(self, delta: Delta, item: Item, placement: Placement) -> Prepared:
+        """The item decoded (section digest, frames) and located on this rank."""
         decoded = delta.decode(item)
         positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
         located = self.locate(placement, item.region.to_canonical(positions, placement.shape))
-        return Prepared(decoded, located, len(positions))
+        return Prepared(DecodedItem(None, decoded.values), located, len(positions))
 
-    def _current(self, delta: Delta, item: Item, placement: Placement, keep: bool = False):  # type: ignore[no-untyped-def]
-        """(digest of the item's elements as held, or None if replicas disagree; values; decoded; located).
-
-        The values are always read afresh; ``keep`` saves the decoding and locating for the write pass.
-        """
-        prepared = self._prepare(delta, item, placement)
-        if keep and self._prepared_bytes + prepared.nbytes <= PREPARED_BYTES:
-            self._prepared[id(item)] = prepared
-            self._prepared_bytes += prepared.nbytes
+    def _read(self, placement: Placement, prepared: Prepared) -> Prepared:
+        """Read the item's elements as held now (all ranks) and their digest (None: replicas disagree)."""
         current, divergent = self.assemble(placement, prepared.count, prepared.located)
-        return (None if divergent else digest_bytes(current)), current, prepared.decoded, prepared.located
+        prepared.current, prepared.digest = current, (None if divergent else digest_bytes(current))
+        return prepared
 
-    def apply_item(self, delta: Delta, item: Item, placement: Placement, resuming: bool) -> tuple[str, int]:
-        state, current, decoded, located = self._current(delta, item, placement)
-        kind = receiver_plan.classify(state, item, resuming, "vLLM engine")
+    def apply_item(
+        self, delta: Delta, item: Item, placement: Placement, resuming: bool, prepared: Prepared | None = None
+    ) -> tuple[str, int]:
+        """Classify and write one item. A fresh apply uses the first pass's reading of its elements
+        (nothing has written them since: items do not overlap); a resume reads them again."""
+        if prepared is None:
+            prepared = self._read(placement, self._locate_item(delta, item, placement))
+        elif resuming or prepared.current is None:
+            prepared = self._read(placement, prepared)
+        assert prepared.current is not None
+        kind = receiver_plan.classify(prepared.digest, item, resuming, "vLLM engine")
         if kind == "done":
             return "done", 0
         # Through a widening loader no mask on stored bits carries over: take the absolute values.
@@ -420,9 +621,10 @@ class EngineReceiver:
         if item.op == "xor" and item.repair is None:
             raise IntegrityError(f"{item.tensor}: an xor item needs its repair section, which is missing")
         new = receiver_plan.new_values(
-            item, kind, current, decoded.values, lambda: delta.repair_values(item), absolute=casts
+            item, kind, prepared.current, prepared.decoded.values, lambda: delta.repair_values(item), absolute=casts
         )
-        return ("applied" if kind == "pending" else "repaired"), self.write(placement, located, new)
+        written = self.write(placement, prepared.located, new, None if casts else prepared.current)
+        return ("applied" if kind == "pending" else "repaired"), written
 
     # ------------------------------------------------------------------ verify
 
@@ -433,14 +635,19 @@ class EngineReceiver:
             if table is None:
                 raise DcrError("this engine has no recorded version yet; pass the delta to verify against")
         self._begin()
+        self._staged = None
         check_layout_kept(self.model)
-        mismatched = []
-        for name, entry in sorted(table.items()):
-            digest = StreamingDigest()
-            digest.update(self.read_tensor(name, entry))
-            if digest.hexdigest() != entry.digest:
-                mismatched.append(name)
+        digests = self.digests(table)
+        mismatched = [name for name, entry in sorted(table.items()) if digests[name] != entry.digest]
         return {"tensors": len(table), "mismatched": mismatched, "fingerprint": fingerprint(table)}
+
+
+def _grouped(delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:
+    """The delta's items by tensor, each with its index in the manifest (the key of a staged item)."""
+    groups: dict[str, list[tuple[int, Item]]] = {}
+    for k, item in enumerate(delta.manifest.items):
+        groups.setdefault(item.tensor, []).append((k, item))
+    return list(groups.items())
 
 
 _NP_INT: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}

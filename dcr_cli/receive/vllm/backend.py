@@ -11,7 +11,7 @@ can read. The worker applies it in place through vLLM's own loader placement (ap
 and fingerprinting them at the first apply, which also proves that the placement is right.
 
 ``dcr_rpc`` (attached to vLLM's worker wrapper by the plugin) answers dcr's questions that need
-a reply (check, status, verify) through ``collective_rpc`` / ``POST /collective_rpc``. It never
+a reply (check, prepare, status, verify) through ``collective_rpc`` / ``POST /collective_rpc``. It never
 raises: errors come back as ``{"ok": false, "error": ...}`` so an HTTP client sees the message.
 """
 
@@ -130,6 +130,8 @@ def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
             }
         if op == "check":
             return {"ok": True, "mode": receiver.check(Delta.open(args["delta"])), "state": receiver.state.to_json()}
+        if op == "prepare":  # check, and the first pass staged for the update that follows
+            return {"ok": True, "mode": receiver.prepare(Delta.open(args["delta"])), "state": receiver.state.to_json()}
         if op == "verify":
             table = None
             if args.get("delta"):

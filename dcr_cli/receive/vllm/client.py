@@ -2,8 +2,9 @@
 
 Server (``VLLM_SERVER_DEV_MODE=1`` mounts the routes used here)::
 
-    POST /collective_rpc {"method": "dcr_rpc", ...}   check: base version, placement, blocks (no write)
-    POST /pause?mode=wait&clear_cache=true
+    POST /collective_rpc {"method": "dcr_rpc", ...}   prepare: base version, placement, blocks, first pass
+                                                      (reads only; the engine serves on meanwhile)
+    POST /pause?mode=wait&clear_cache=true            the pause window starts: only writes and the proof
     POST /start_weight_update
     POST /update_weights {"update_info": {"delta": LOCATION}}
     POST /finish_weight_update {"weight_version": TARGET}   bumps the version stamped on outputs
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -166,11 +168,15 @@ class InProcessEngine(Engine):
 
 
 def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: Callable[[str], None] | None = None):
-    """Check, pause, update in place, bump the weight version, reset the prefix cache, resume."""
+    """Prepare (every check and the first pass), pause, update in place, bump the weight version,
+    reset the prefix cache, resume. The delta is read and checked before the engine is paused, so
+    a bad delta never pauses it; the report's ``pause_seconds`` is the window it did not serve."""
     location = delta_location(delta)
     opened = delta if isinstance(delta, Delta) else Delta.open(location)
     target = opened.manifest.target.version
-    modes = {a["mode"] for a in engine.rpc("check", delta=location)}  # raises before anything is touched
+    started = time.perf_counter()
+    modes = {a["mode"] for a in engine.rpc("prepare", delta=location)}  # raises before anything is touched
+    prepare_seconds = time.perf_counter() - started
     if modes == {"noop"}:
         engine.set_version(target)
         if log:
@@ -178,6 +184,7 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
         return {"status": "noop", "version": target}
     if len(modes) != 1:
         raise IncompatibleError(f"the engine's ranks disagree about their version ({sorted(modes)}); restart it")
+    paused = time.perf_counter()
     engine.pause()
     engine.start()
     try:
@@ -196,12 +203,15 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     engine.finish(target)
     engine.reset_prefix_cache()
     engine.resume()
-    report = engine.rpc("status")[0].get("last_report") or {}
+    pause_seconds = time.perf_counter() - paused
+    report = dict(engine.rpc("status")[0].get("last_report") or {})
+    report.update(prepare_seconds=prepare_seconds, pause_seconds=pause_seconds)
     if log:
         log(
             f"vLLM engine at version {target}: {report.get('applied', 0)} items applied, "
             f"{report.get('repaired', 0)} repaired, {report.get('done', 0)} already done "
-            f"({report.get('written_elements', 0)} elements written, {report.get('seconds', 0.0):.3f} s)"
+            f"({report.get('written_elements', 0)} elements written, {report.get('seconds', 0.0):.3f} s); "
+            f"paused {pause_seconds:.3f} s (checked and read before the pause in {prepare_seconds:.3f} s)"
         )
     return report
 

