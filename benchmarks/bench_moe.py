@@ -110,7 +110,7 @@ class Layout:
             return dcr("apply", str(self.delta), "--into", str(self.recv), "--json")
         if command == "verify":
             return dcr("verify", str(self.recv), "--against", str(self.delta), "--json")
-        return dcr("inspect", str(self.delta), "--json")
+        return dcr("inspect", str(self.delta))
 
     def before(self, command: str) -> None:
         if command == "diff":
