@@ -344,6 +344,7 @@ def run_refit(
     ]
 
     def record(proc: Proc) -> Proc:
+        proc.name = f"{chain.name} {proc.name}"  # memory per checkpoint kind: dense and MoE differ in largest tensor
         memory.add(proc)
         return proc.check()
 
@@ -578,10 +579,10 @@ def build_chains(args: argparse.Namespace, cases: list[str]) -> list[Chain]:
     dense_cases = [c for c in DENSE_STEPS if c in cases]
     if dense_cases:
         size = int(args.size * gib)
-        specs, desc = corpus.dense_specs(size)
+        specs, desc = corpus.dense_specs(size, args.hidden)
         steps = list(DENSE_STEPS)  # the whole chain is built once, whatever is selected
         paths = corpus.build_chain(
-            args.corpus / f"dense-{args.size:g}",
+            args.corpus / f"dense-{args.size:g}" + (f"-h{args.hidden}" if args.hidden else ""),
             specs,
             [DENSE_STEPS[s] for s in steps],
             shard_bytes=max(16 << 20, min(1 << 30, size // 3)),
@@ -623,6 +624,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes and few configurations (~1-2 min)")
     ap.add_argument("--size", type=float, default=3.0, help="dense checkpoint size in GiB (default 3)")
+    ap.add_argument("--hidden", type=int, default=None, help="dense width (default: chosen for --size)")
     ap.add_argument("--moe-size", type=float, default=None, help="MoE checkpoint size in GiB (default: min(size, 1))")
     ap.add_argument("--moe-layers", type=int, default=12)
     ap.add_argument("--moe-experts", type=int, default=64, help="per layer (12 x 64 x 3 = 2,304 expert tensors)")

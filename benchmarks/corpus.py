@@ -59,10 +59,13 @@ def describe(specs: list[Spec]) -> str:
     )
 
 
-def dense_specs(size_bytes: int) -> tuple[list[Spec], str]:
-    """Llama-3-8B-like layers at a width chosen for ``size_bytes`` (hidden 4096 from 2.5 GiB up)."""
+def dense_specs(size_bytes: int, hidden: int | None = None) -> tuple[list[Spec], str]:
+    """Llama-3-8B-like layers at a width chosen for ``size_bytes`` (hidden 4096 from 2.5 GiB up), or ``hidden``.
+
+    With a fixed ``hidden`` the largest tensor stays the same whatever the size (only the depth changes):
+    two sizes then tell memory that grows with the model from memory that grows with the largest tensor."""
     gib = 2**30
-    hidden = (
+    hidden = hidden or (
         4096
         if size_bytes >= 2.5 * gib
         else 2048
