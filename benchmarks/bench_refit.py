@@ -582,7 +582,7 @@ def build_chains(args: argparse.Namespace, cases: list[str]) -> list[Chain]:
         specs, desc = corpus.dense_specs(size, args.hidden)
         steps = list(DENSE_STEPS)  # the whole chain is built once, whatever is selected
         paths = corpus.build_chain(
-            args.corpus / f"dense-{args.size:g}" + (f"-h{args.hidden}" if args.hidden else ""),
+            args.corpus / (f"dense-{args.size:g}" + (f"-h{args.hidden}" if args.hidden else "")),
             specs,
             [DENSE_STEPS[s] for s in steps],
             shard_bytes=max(16 << 20, min(1 << 30, size // 3)),
