@@ -1,0 +1,756 @@
+"""End-to-end refit over a throttled link: dcr vs sending the full checkpoint, side by side (issue 12).
+
+    PYTHONPATH=. python benchmarks/bench_refit.py [--quick] [--size 3] [--links 1G,100M] [--receivers 1,4]
+        [--stores s3,local] [--cases u1,u3,u5,adam3,moe3] [--producer seq|overlap] [--reference-sample-mib 512]
+
+Corpus (built locally under --corpus, reused across runs; nothing is downloaded):
+
+* dense: a Llama-3-8B-like BF16 checkpoint of --size GiB in sharded safetensors, and a chain of
+  steps from it: 1%, 3%, 5% of the elements nudged by one or two ulps at uniformly random positions
+  (u1, u3, u5), then an Adam-like step calibrated to about 3% (adam3);
+* moe: a Qwen3-MoE-like checkpoint of --moe-size GiB with 2,304 expert tensors (12 layers x 64
+  experts), and a uniform 3% step (moe3).
+
+Every refit runs as real processes (``python -m dcr_cli``), timed one by one:
+producer ``diff`` then ``push`` (or ``diff --push`` with --producer overlap); then every receiver at
+once ``pull`` -> ``apply --into`` -> ``verify --against`` -> ``ack``; then the producer's ``commit``.
+The receivers hold real checkpoints (each its own copy) that walk the chain and are verified bit-exact
+after every step; they are primed once (an untimed no-op apply), so each timed apply is a steady one.
+
+Stores:
+
+* s3: a moto S3 server on 127.0.0.1. Every node (the producer, each receiver) reaches it through its
+  own rate-limiting TCP proxy (benchmarks/throttle.py): one link per node, --link rate in each
+  direction, shared by all of the node's connections. dcr and the reference go through the same
+  proxies, with no rate limit of their own.
+* local: a store directory; dcr push/pull get ``--limit-rate`` and the reference the same limiter.
+
+Reference, per configuration: the transport-only full-checkpoint refit with the same client (fsspec,
+s3fs) and parallelism (8 workers, objects of dcr's 64 MiB block size): upload the checkpoint, then
+every receiver downloads it at once (benchmarks/reference.py). At 100 Mbit/s this takes minutes, so
+by default only the first --reference-sample-mib MiB are sent and the time is scaled by full/sample
+(transport-only time is proportional to the bytes; 0 sends everything).
+
+Printed per refit: the stages of the critical path, transport's share of it (measured push + pull,
+and the link floor: bytes moved / rate), the ratio reference/dcr next to the compression ratio
+(full bytes / bytes a receiver downloads) and the targets of issue 12 §4; at the end a summary table
+and the peak anonymous memory (sampled RssAnon) and VmHWM of every command. With an s3 store, the
+endpoint's own ceiling (moto, unthrottled, same client) is measured first: above it, the link rate is
+not what limits either side.
+
+There is no vLLM receiver mode here (see benchmarks/bench_vllm.py for the in-engine apply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import corpus  # noqa: E402
+from harness import REPO, Memory, Proc, dcr, env_with_repo, mib, run  # noqa: E402
+
+KEY_ID = "AKIADCRBENCHKEY00000"
+SECRET = "dcr-bench-secret-0123456789"
+LINKS = {"10G": 1.25e9, "1G": 125e6, "100M": 12.5e6, "10M": 1.25e6}
+DENSE_STEPS = {
+    "u1": corpus.Step("uniform", 0.01),
+    "u3": corpus.Step("uniform", 0.03),
+    "u5": corpus.Step("uniform", 0.05),
+    "adam3": corpus.Step("adam", 0.03),
+}
+MOE_STEPS = {"moe3": corpus.Step("uniform", 0.03)}
+# botocore's default aws-chunked checksum trailers cost moto (pure Python) much of its throughput; both
+# dcr and the reference run with this client setting (dcr checks BLAKE3 digests of everything itself).
+CLIENT_ENV = {"AWS_REQUEST_CHECKSUM_CALCULATION": "when_required", "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required"}
+STAGES = ("diff", "push", "pull", "apply", "verify", "ack", "commit")
+
+
+# -- infrastructure: moto, proxies, stores ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+
+
+class Moto:
+    def __init__(self) -> None:
+        self.port = free_port()
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        wait_port(self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def fs(self) -> Any:
+        import s3fs
+
+        os.environ.update(CLIENT_ENV)
+        return s3fs.S3FileSystem(endpoint_url=self.url, key=KEY_ID, secret=SECRET, skip_instance_cache=True)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=20)
+
+
+class Proxy:
+    """One node's link: benchmarks/throttle.py in its own process."""
+
+    def __init__(self, target_port: int, rate: float, stats: Path) -> None:
+        self.stats = stats
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "throttle.py"),
+                "--target",
+                f"127.0.0.1:{target_port}",
+                "--rate",
+                str(rate),
+                "--stats",
+                str(stats),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    def stop(self) -> dict[str, int]:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=20)
+        return json.loads(self.stats.read_text()) if self.stats.exists() else {"up": 0, "down": 0}
+
+
+@dataclass
+class Node:
+    """A participant (producer or receiver): its environment, and the flags its transfers need."""
+
+    name: str
+    env: dict[str, str]
+    rate_flags: list[str]  # --limit-rate for a store without a proxy
+    proxy: Proxy | None = None
+
+
+@dataclass
+class Link:
+    """The store and the nodes of one configuration."""
+
+    store: str  # "s3" or "local"
+    rate: float
+    url_root: str
+    nodes: list[Node]
+    moto: Moto | None
+
+    def storage_url(self, name: str) -> str:
+        return f"{self.url_root}/{name}"
+
+
+def open_link(kind: str, rate: float, receivers: int, moto: Moto | None, work: Path) -> Link:
+    names = ["producer"] + [f"r{i}" for i in range(receivers)]
+    if kind == "s3":
+        assert moto is not None
+        bucket = f"dcr-bench-{uuid.uuid4().hex[:10]}"
+        moto.fs().mkdir(bucket)
+        nodes = []
+        for n in names:
+            proxy = Proxy(moto.port, rate, work / f"proxy-{n}-{uuid.uuid4().hex[:6]}.json")
+            env = env_with_repo(
+                {
+                    "AWS_ACCESS_KEY_ID": KEY_ID,
+                    "AWS_SECRET_ACCESS_KEY": SECRET,
+                    "AWS_DEFAULT_REGION": "us-east-1",
+                    "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}",
+                    **CLIENT_ENV,
+                }
+            )
+            nodes.append(Node(n, env, [], proxy))
+        return Link("s3", rate, f"s3://{bucket}", nodes, moto)
+    root = work / f"stores-{uuid.uuid4().hex[:6]}"
+    root.mkdir()
+    flags = ["--limit-rate", str(int(rate))]
+    return Link("local", rate, root.as_uri(), [Node(n, env_with_repo(), flags) for n in names], None)
+
+
+def close_link(link: Link) -> None:
+    for node in link.nodes:
+        if node.proxy is not None:
+            node.proxy.stop()
+    if link.moto is not None:
+        fs = link.moto.fs()
+        bucket = link.url_root.removeprefix("s3://")
+        with contextlib.suppress(Exception):
+            fs.rm(bucket, recursive=True)
+    else:
+        shutil.rmtree(link.url_root.removeprefix("file://"), ignore_errors=True)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Chain:
+    name: str  # "dense" or "moe"
+    paths: list[Path]  # checkpoints v0..vN
+    labels: list[str]  # version labels, unique across chains
+    steps: list[str]  # case names of v0->v1, v1->v2, ...
+    full_bytes: int
+    description: str
+
+
+def warm(path: Path) -> None:
+    """Read a checkpoint once (untimed), so every stage starts from a warm page cache."""
+    buf = bytearray(8 << 20)
+    for p in sorted(path.glob("*.safetensors")):
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+@dataclass
+class Receiver:
+    name: str
+    root: Path
+    at: str | None = None  # version label the checkpoint holds (primed), None if not a copy of the chain
+
+
+def reset_receiver(recv: Receiver, chain: Chain, k: int, work: Path, memory: Memory) -> None:
+    """Copy checkpoint v_k into the receiver and prime it (an untimed no-op apply records its state)."""
+    shutil.rmtree(recv.root, ignore_errors=True)
+    shutil.copytree(chain.paths[k], recv.root)
+    prime = work / f"prime-{chain.labels[k]}"
+    if not prime.exists():
+        run(
+            dcr(
+                "diff",
+                str(chain.paths[k]),
+                str(chain.paths[k]),
+                "-o",
+                str(prime),
+                "--base-version",
+                chain.labels[k],
+                "--target-version",
+                chain.labels[k],
+            ),
+            name="diff(prime)",
+        ).check()
+    run(dcr("apply", str(prime), "--into", str(recv.root)), name="apply(prime)").check()
+    recv.at = chain.labels[k]
+
+
+# -- one refit -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Refit:
+    config: str
+    case: str
+    base: str
+    target: str
+    stages: dict[str, float]  # critical-path stage -> seconds (slowest receiver for receiver stages)
+    critical: float
+    full_bytes: int
+    payload: int  # data blocks
+    manifest: int
+    repair: int
+    changed_rate: float
+    uploaded: int
+    downloaded: int  # by the slowest receiver
+    rate: float
+    receivers: int
+    reference: float = 0.0
+    ref_detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def compression(self) -> float:
+        return self.full_bytes / (self.payload + self.manifest)
+
+    @property
+    def transport_measured(self) -> float:
+        return self.stages.get("push", 0.0) + self.stages.get("pull", 0.0)
+
+    @property
+    def floor(self) -> float:
+        return (self.uploaded + self.downloaded) / self.rate
+
+
+def run_refit(
+    link: Link,
+    chain: Chain,
+    k: int,
+    forward: bool,
+    receivers: list[Receiver],
+    store_url: str,
+    work: Path,
+    memory: Memory,
+    producer_mode: str,
+    config: str,
+) -> Refit:
+    """One refit along the chain: v_k -> v_{k+1} (forward) or v_{k+1} -> v_k."""
+    b, t = (k, k + 1) if forward else (k + 1, k)
+    base, target = chain.labels[b], chain.labels[t]
+    case = chain.steps[k] + ("" if forward else " (reverse)")
+    warm(chain.paths[b])
+    warm(chain.paths[t])
+    out = work / "deltas" / f"{uuid.uuid4().hex[:8]}-{target}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    producer = link.nodes[0]
+    stages: dict[str, float] = {}
+    diff_args = [
+        str(chain.paths[b]),
+        str(chain.paths[t]),
+        "-o",
+        str(out),
+        "--base-version",
+        base,
+        "--target-version",
+        target,
+        "--json",
+    ]
+
+    def record(proc: Proc) -> Proc:
+        proc.name = f"{chain.name} {proc.name}"  # memory per checkpoint kind: dense and MoE differ in largest tensor
+        memory.add(proc)
+        return proc.check()
+
+    t0 = time.perf_counter()
+    if producer_mode == "overlap":
+        d = record(run(dcr("diff", *diff_args, "--push", store_url), producer.env, name="diff --push"))
+        stages["diff"] = d.seconds
+        summary = json.loads(d.stdout)
+        pushed: dict[str, Any] = {"uploaded_bytes": summary["payload_bytes"] + summary["repair_bytes"]}
+    else:
+        d = record(run(dcr("diff", *diff_args), producer.env, name="diff"))
+        stages["diff"] = d.seconds
+        summary = json.loads(d.stdout)
+        p = record(run(dcr("push", str(out), store_url, "--json", *producer.rate_flags), producer.env, name="push"))
+        stages["push"] = p.seconds
+        pushed = json.loads(p.stdout)
+
+    results: dict[str, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+
+    def receive(node: Node, recv: Receiver) -> None:
+        try:
+            r: dict[str, Any] = {"stages": {}}
+            pulled = work / "pulls" / f"{uuid.uuid4().hex[:8]}-{node.name}-{target}"
+            pulled.parent.mkdir(parents=True, exist_ok=True)
+            q = record(
+                run(
+                    dcr("pull", store_url, "--version", target, "-o", str(pulled), "--json", *node.rate_flags),
+                    node.env,
+                    name="pull",
+                )
+            )
+            r["stages"]["pull"] = q.seconds
+            r["downloaded"] = json.loads(q.stdout)["downloaded_bytes"] + summary["manifest_bytes"]
+            a = record(run(dcr("apply", str(pulled), "--into", str(recv.root), "--json"), node.env, name="apply"))
+            r["stages"]["apply"] = a.seconds
+            fp = json.loads(a.stdout)["fingerprint"]
+            v = record(run(dcr("verify", str(recv.root), "--against", str(pulled), "--json"), node.env, name="verify"))
+            if not json.loads(v.stdout)["ok"]:
+                raise RuntimeError(f"{recv.root}: verify failed after apply")
+            r["stages"]["verify"] = v.seconds
+            ack = record(
+                run(dcr("ack", store_url, target, "--receiver", node.name, "--fingerprint", fp), node.env, name="ack")
+            )
+            r["stages"]["ack"] = ack.seconds
+            r["total"] = sum(r["stages"].values())
+            recv.at = target
+            results[node.name] = r
+            shutil.rmtree(pulled, ignore_errors=True)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=receive, args=(node, recv))
+        for node, recv in zip(link.nodes[1:], receivers, strict=True)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    names = [f"--receiver={n.name}" for n in link.nodes[1:]]
+    c = record(run(dcr("commit", store_url, target, *names), producer.env, name="commit"))
+    stages["commit"] = c.seconds
+    critical = time.perf_counter() - t0
+    slowest = max(results.values(), key=lambda r: r["total"])
+    for s in ("pull", "apply", "verify", "ack"):
+        stages[s] = slowest["stages"][s]
+    shutil.rmtree(out, ignore_errors=True)
+    return Refit(
+        config=config,
+        case=case,
+        base=base,
+        target=target,
+        stages=stages,
+        critical=critical,
+        full_bytes=summary["full_bytes"],
+        payload=summary["payload_bytes"],
+        manifest=summary["manifest_bytes"],
+        repair=summary["repair_bytes"],
+        changed_rate=summary["change_rate"],
+        uploaded=pushed["uploaded_bytes"] + summary["manifest_bytes"],
+        downloaded=slowest["downloaded"],
+        rate=link.rate,
+        receivers=len(receivers),
+        extra={"receiver_totals": {n: round(r["total"], 2) for n, r in results.items()}},
+    )
+
+
+# -- the reference ---------------------------------------------------------------------------------------------------
+
+
+def run_reference(
+    link: Link, ckpt: Path, full_bytes: int, sample: int | None, work: Path, memory: Memory
+) -> tuple[float, str]:
+    """Transport-only full refit (upload, then all receivers download at once); seconds for full_bytes."""
+    url = link.storage_url("reference")
+    producer = link.nodes[0]
+    max_bytes = [] if not sample or sample >= full_bytes else ["--max-bytes", str(sample)]
+    ref = [sys.executable, str(HERE / "reference.py")]
+    up = run([*ref, "up", str(ckpt), url, *max_bytes, *producer.rate_flags], producer.env, name="reference up")
+    memory.add(up.check())
+    sent = json.loads(up.stdout)["bytes"]
+    downs: list[Proc] = []
+
+    def down(node: Node) -> None:
+        out = work / f"ref-{node.name}-{uuid.uuid4().hex[:6]}"
+        try:
+            downs.append(run([*ref, "down", url, str(out), *node.rate_flags], node.env, name="reference down"))
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    threads = [threading.Thread(target=down, args=(n,)) for n in link.nodes[1:]]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for d in downs:
+        memory.add(d.check())
+    if link.moto is not None:
+        link.moto.fs().rm(url.removeprefix("s3://"), recursive=True)
+    else:
+        shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
+    t_up = up.seconds
+    t_down = max(d.seconds for d in downs)
+    scale = full_bytes / sent
+    detail = f"up {t_up * scale:.1f} s + down {t_down * scale:.1f} s"
+    if scale > 1.0001:
+        detail += f" (measured on {mib(sent)} of {mib(full_bytes)}, scaled x{scale:.2f})"
+    return (t_up + t_down) * scale, detail
+
+
+def endpoint_ceiling(moto: Moto, ckpt: Path, work: Path) -> str:
+    """Unthrottled upload and download rate of moto with the reference client (8 workers, 64 MiB objects)."""
+    env = env_with_repo(
+        {
+            "AWS_ACCESS_KEY_ID": KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3_ENDPOINT_URL": moto.url,
+            **CLIENT_ENV,
+        }
+    )
+    bucket = f"dcr-bench-{uuid.uuid4().hex[:10]}"
+    moto.fs().mkdir(bucket)
+    ref = [sys.executable, str(HERE / "reference.py")]
+    up = json.loads(
+        run([*ref, "up", str(ckpt), f"s3://{bucket}/ceiling", "--max-bytes", str(256 << 20)], env).check().stdout
+    )
+    out = work / "ceiling"
+    down = json.loads(run([*ref, "down", f"s3://{bucket}/ceiling", str(out)], env).check().stdout)
+    shutil.rmtree(out, ignore_errors=True)
+    moto.fs().rm(bucket, recursive=True)
+    rates = [x["bytes"] / x["seconds"] / 1e6 for x in (up, down)]
+    return f"upload {rates[0]:.0f} MB/s, download {rates[1]:.0f} MB/s ({mib(up['bytes'])})"
+
+
+# -- printing --------------------------------------------------------------------------------------------------------
+
+
+def rate_name(rate: float) -> str:
+    bits = rate * 8
+    return f"{bits / 1e9:g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:g} Mbit/s"
+
+
+def report(r: Refit) -> None:
+    ratio = r.reference / r.critical
+    share = r.floor / r.critical
+    target = 0.8 if r.rate <= 12.5e6 else 0.4
+    st = r.stages
+    producer = f"diff {st['diff']:.2f} s" + (f", push {st['push']:.2f} s" if "push" in st else " (with --push)")
+    print(
+        f"  {r.case:<16} {r.base}->{r.target}: {r.changed_rate:.2%} changed; full {mib(r.full_bytes)}, "
+        f"payload {mib(r.payload)} + manifest {mib(r.manifest)} (compression {r.compression:.1f}x), "
+        f"repair {mib(r.repair)}; uploaded {mib(r.uploaded)}, downloaded {mib(r.downloaded)} per receiver"
+    )
+    print(
+        f"    critical path {r.critical:.2f} s = producer {producer} | slowest receiver pull {st['pull']:.2f} s, "
+        f"apply {st['apply']:.2f} s, verify {st['verify']:.2f} s, ack {st['ack']:.2f} s | commit {st['commit']:.2f} s"
+    )
+    print(
+        f"    transport: push + pull {r.transport_measured:.2f} s = "
+        f"{r.transport_measured / r.critical:.0%} of the critical path; "
+        f"link floor (bytes moved / rate) {r.floor:.2f} s = {share:.0%} (target >= 70% at 100 Mbit/s)"
+    )
+    print(
+        f"    reference {r.reference:.1f} s ({r.ref_detail}); "
+        f"ref/dcr {ratio:.1f}x vs compression {r.compression:.1f}x: "
+        f"{ratio / r.compression:.2f} of it (target >= {target})"
+    )
+
+
+def summary_table(refits: list[Refit]) -> None:
+    print("\nsummary (each row measured side by side in this run)")
+    head = (
+        f"{'config':<24} {'case':<16} {'crit s':>7} {'ref s':>8} {'ref/dcr':>8} {'compr':>7} {'of compr':>8} "
+        f"{'target':>6} {'floor%':>6} {'xport%':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in refits:
+        ratio = r.reference / r.critical
+        target = 0.8 if r.rate <= 12.5e6 else 0.4
+        ok = "ok" if ratio / r.compression >= target else "MISS"
+        print(
+            f"{r.config:<24} {r.case:<16} {r.critical:7.2f} {r.reference:8.1f} {ratio:7.1f}x {r.compression:6.1f}x "
+            f"{ratio / r.compression:8.2f} {target:>4} {ok:<4} {r.floor / r.critical:5.0%} "
+            f"{r.transport_measured / r.critical:6.0%}"
+        )
+    print("\nstage share of the critical path (mean over the rows above)")
+    for s in STAGES:
+        vals = [r.stages.get(s, 0.0) / r.critical for r in refits]
+        print(f"  {s:<7} {sum(vals) / len(vals):6.1%}")
+
+
+def memory_table(memory: Memory, label: str) -> None:
+    print(
+        f"\npeak memory per process ({label}); sampled every 5 ms: RssAnon, "
+        "and VmHWM (mapped checkpoint pages included)"
+    )
+    for name, (anon, hwm) in sorted(memory.peaks.items()):
+        print(f"  {name:<16} RssAnon {mib(anon):>12}   VmHWM {mib(hwm):>12}")
+
+
+# -- main ------------------------------------------------------------------------------------------------------------
+
+
+def build_chains(args: argparse.Namespace, cases: list[str]) -> list[Chain]:
+    chains = []
+    gib = 2**30
+    dense_cases = [c for c in DENSE_STEPS if c in cases]
+    if dense_cases:
+        size = int(args.size * gib)
+        specs, desc = corpus.dense_specs(size, args.hidden)
+        steps = list(DENSE_STEPS)  # the whole chain is built once, whatever is selected
+        paths = corpus.build_chain(
+            args.corpus / (f"dense-{args.size:g}" + (f"-h{args.hidden}" if args.hidden else "")),
+            specs,
+            [DENSE_STEPS[s] for s in steps],
+            shard_bytes=max(16 << 20, min(1 << 30, size // 3)),
+        )
+        chains.append(
+            Chain(
+                "dense",
+                paths,
+                [f"d{i}" for i in range(len(paths))],
+                steps,
+                sum(s.nbytes for s in specs),
+                f"{desc}; {corpus.describe(specs)}",
+            )
+        )
+    if any(c in MOE_STEPS for c in cases):
+        size = int(args.moe_size * gib)
+        specs, desc = corpus.moe_specs(size, layers=args.moe_layers, experts=args.moe_experts)
+        steps = list(MOE_STEPS)
+        paths = corpus.build_chain(
+            args.corpus / f"moe-{args.moe_size:g}-{args.moe_layers}x{args.moe_experts}",
+            specs,
+            [MOE_STEPS[s] for s in steps],
+            shard_bytes=max(16 << 20, min(1 << 30, size // 3)),
+        )
+        chains.append(
+            Chain(
+                "moe",
+                paths,
+                [f"m{i}" for i in range(len(paths))],
+                steps,
+                sum(s.nbytes for s in specs),
+                f"{desc}; {corpus.describe(specs)}",
+            )
+        )
+    return chains
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes and few configurations (~1-2 min)")
+    ap.add_argument("--size", type=float, default=3.0, help="dense checkpoint size in GiB (default 3)")
+    ap.add_argument("--hidden", type=int, default=None, help="dense width (default: chosen for --size)")
+    ap.add_argument("--moe-size", type=float, default=None, help="MoE checkpoint size in GiB (default: min(size, 1))")
+    ap.add_argument("--moe-layers", type=int, default=12)
+    ap.add_argument("--moe-experts", type=int, default=64, help="per layer (12 x 64 x 3 = 2,304 expert tensors)")
+    ap.add_argument("--cases", default="u1,u3,u5,adam3,moe3")
+    ap.add_argument("--links", default="1G,100M", help=f"link rates per node and direction, of {','.join(LINKS)}")
+    ap.add_argument("--receivers", default="1,4")
+    ap.add_argument("--stores", default="s3,local")
+    ap.add_argument("--producer", choices=["seq", "overlap"], default="seq", help="diff then push, or diff --push")
+    ap.add_argument(
+        "--reference-sample-mib",
+        type=int,
+        default=512,
+        help="MiB the reference sends, scaled to the full size (0: all)",
+    )
+    ap.add_argument("--corpus", type=Path, default=Path(tempfile.gettempdir()) / "dcr-bench-corpus")
+    ap.add_argument("--work", type=Path, default=None, help="work directory (default: a temp dir, removed afterwards)")
+    ap.add_argument("--json", type=Path, default=None, help="also write every figure here")
+    args = ap.parse_args()
+    if args.quick:
+        args.size, args.moe_size = min(args.size, 0.125), args.moe_size or 0.0625
+        if args.cases == ap.get_default("cases"):
+            args.cases = "u3,moe3"
+        if args.receivers == ap.get_default("receivers"):
+            args.receivers = "1"
+        if args.stores == ap.get_default("stores"):
+            args.stores = "s3"
+        args.reference_sample_mib = min(args.reference_sample_mib, 32) or 32
+    args.moe_size = args.moe_size or min(args.size, 1.0)
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in DENSE_STEPS and c not in MOE_STEPS]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; choose from {list(DENSE_STEPS) + list(MOE_STEPS)}")
+    if args.producer == "overlap" and "local" in args.stores.split(","):
+        ap.error(
+            "--producer overlap: dcr diff --push has no --limit-rate, so a local store cannot be throttled; "
+            "use --stores s3"
+        )
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="dcr-bench-refit-"))
+    work.mkdir(parents=True, exist_ok=True)
+    memory = Memory()
+    refits: list[Refit] = []
+    moto: Moto | None = None
+    t_start = time.perf_counter()
+    try:
+        chains = build_chains(args, cases)
+        print(f"cores {os.cpu_count()}; dcr from {REPO}; producer mode {args.producer}")
+        for ch in chains:
+            print(f"{ch.name}: {ch.description}; chain {' -> '.join(ch.labels)} = {', '.join(ch.steps)}")
+        if "s3" in args.stores.split(","):
+            moto = Moto()
+            ceiling = endpoint_ceiling(moto, chains[0].paths[0], work)
+            print(f"s3 endpoint (moto on 127.0.0.1) unthrottled, same client: {ceiling}")
+        max_receivers = max(int(n) for n in args.receivers.split(","))
+        recvs = {
+            ch.name: [Receiver(f"r{i}", work / f"recv-{ch.name}-{i}") for i in range(max_receivers)] for ch in chains
+        }
+        for store in args.stores.split(","):
+            for link_name in args.links.split(","):
+                rate = LINKS[link_name]
+                for n in (int(x) for x in args.receivers.split(",")):
+                    config = f"{store} {rate_name(rate)} x{n}"
+                    print(
+                        f"\n== {config}: {store} store, every node's link {rate_name(rate)} each way, {n} receiver(s)"
+                    )
+                    ref_link = open_link(store, rate, n, moto, work)
+                    try:
+                        dense = chains[0]
+                        sample = args.reference_sample_mib << 20 if args.reference_sample_mib else None
+                        ref_s, ref_detail = run_reference(
+                            ref_link, dense.paths[0], dense.full_bytes, sample, work, memory
+                        )
+                    finally:
+                        close_link(ref_link)
+                    ref_per_byte = ref_s / dense.full_bytes
+                    print(
+                        f"  reference (full checkpoint, transport only): {ref_s:.1f} s "
+                        f"for {mib(dense.full_bytes)} ({ref_detail})"
+                    )
+                    for ch in chains:
+                        selected = [k for k, s in enumerate(ch.steps) if s in cases]
+                        rs = recvs[ch.name][:n]
+                        link = open_link(store, rate, n, moto, work)
+                        try:
+                            # Walk forward from v0 when the receivers are there (or nowhere yet), backward from
+                            # the chain's end when a previous configuration left them there.
+                            at_end = all(r.at == ch.labels[selected[-1] + 1] for r in rs)
+                            order = (
+                                [(k, False) for k in reversed(selected)] if at_end else [(k, True) for k in selected]
+                            )
+                            for k, fwd in order:
+                                start = ch.labels[k] if fwd else ch.labels[k + 1]
+                                for r in rs:
+                                    if r.at != start:
+                                        reset_receiver(r, ch, k if fwd else k + 1, work, memory)
+                                url = link.storage_url(ch.name)
+                                refit = run_refit(link, ch, k, fwd, rs, url, work, memory, args.producer, config)
+                                refit.reference = ref_per_byte * refit.full_bytes
+                                refit.ref_detail = (
+                                    ref_detail if ch is dense else "scaled by bytes from the dense reference"
+                                )
+                                refits.append(refit)
+                                report(refit)
+                        finally:
+                            close_link(link)
+        summary_table(refits)
+        memory_table(memory, f"dense {args.size:g} GiB, moe {args.moe_size:g} GiB")
+        print(f"\ntotal wall time {time.perf_counter() - t_start:.0f} s")
+        if args.json:
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "refits": [{**r.__dict__, "compression": r.compression, "floor": r.floor} for r in refits],
+                        "memory": {k: {"rss_anon": a, "vm_hwm": m} for k, (a, m) in memory.peaks.items()},
+                        "size_gib": args.size,
+                        "moe_size_gib": args.moe_size,
+                    },
+                    indent=1,
+                )
+            )
+    finally:
+        if moto is not None:
+            moto.stop()
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
