@@ -137,7 +137,8 @@ class SafetensorsCheckpoint:
         index = self.root / INDEX_NAME
         if index.exists():
             weight_map = read_index(index)
-            return sorted({safe_child(self.root, f) for f in weight_map.values()})
+            # One check per file, not per tensor: an MoE index names the same few shards 100k times.
+            return sorted({safe_child(self.root, f) for f in set(weight_map.values())})
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:
             raise IncompatibleError(f"{self.root} holds no *.safetensors files")
