@@ -22,6 +22,7 @@ from ..errors import FormatError
 class DType:
     name: str  # safetensors spelling, e.g. "BF16"
     itemsize: int  # bytes per element
+    float_bits: tuple[int, int] | None = None  # IEEE-style (exponent, mantissa) bits; None if not such a float
 
     @property
     def uint(self) -> np.dtype:
@@ -39,14 +40,14 @@ _DTYPES = {
         DType("F8_E5M2", 1),
         DType("U16", 2),
         DType("I16", 2),
-        DType("F16", 2),
-        DType("BF16", 2),
+        DType("F16", 2, (5, 10)),
+        DType("BF16", 2, (8, 7)),
         DType("U32", 4),
         DType("I32", 4),
-        DType("F32", 4),
+        DType("F32", 4, (8, 23)),
         DType("U64", 8),
         DType("I64", 8),
-        DType("F64", 8),
+        DType("F64", 8, (11, 52)),
     )
 }
 
@@ -134,3 +135,8 @@ def torch_int(itemsize: int) -> torch.dtype:
     import torch
 
     return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+
+
+def numpy_int(itemsize: int) -> np.dtype:
+    """numpy's signed little-endian integer dtype of ``itemsize`` bytes (what torch's signed views map to)."""
+    return np.dtype(np.uint8) if itemsize == 1 else np.dtype(f"<i{itemsize}")

@@ -32,6 +32,7 @@ from ...delta.reader import Delta
 from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.codec import DecodedItem
 from ...format.digest import StreamingDigest, digest_bytes
+from ...format.dtypes import from_torch, numpy_int
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
@@ -650,15 +651,15 @@ def _grouped(delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:
     return list(groups.items())
 
 
-_NP_INT: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
-
-
 def _np_int(dtype: torch.dtype) -> np.dtype:
-    return _NP_INT[dtype.itemsize]
+    return numpy_int(dtype.itemsize)
 
 
-# (exponent bits, mantissa bits) of the float dtypes a loader may widen between.
-_FLOAT_BITS = {torch.bfloat16: (8, 7), torch.float16: (5, 10), torch.float32: (8, 23), torch.float64: (11, 52)}
+def _float_bits(dtype: torch.dtype) -> tuple[int, int]:
+    """(exponent bits, mantissa bits) from the dtype registry."""
+    bits = from_torch(dtype).float_bits
+    assert bits is not None, f"{dtype} is not a float a loader widens between"  # EXACT_WIDENING pairs only
+    return bits
 
 
 def _to_canonical(held: torch.Tensor, dest: Destination, canonical: torch.dtype) -> torch.Tensor:
@@ -673,8 +674,8 @@ def _to_canonical(held: torch.Tensor, dest: Destination, canonical: torch.dtype)
         return held
     wide = held.view(dest.dst_dtype)
     out = wide.to(canonical).view(int_dtype(canonical))
-    exp_d, man_d = _FLOAT_BITS[dest.dst_dtype]
-    exp_s, man_s = _FLOAT_BITS[canonical]
+    exp_d, man_d = _float_bits(dest.dst_dtype)
+    exp_s, man_s = _float_bits(canonical)
     bits = held.to(torch.int64)
     if held.element_size() < 8:
         bits &= (1 << (8 * held.element_size())) - 1  # the unsigned bits of a signed container

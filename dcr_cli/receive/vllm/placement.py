@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import IncompatibleError
-from ...format.dtypes import TORCH_NAMES
+from ...format.dtypes import TORCH_NAMES, torch_int, torch_uint
 
 aten = torch.ops.aten
 
@@ -50,11 +50,11 @@ EXACT_WIDENING = {
 
 # Integer dtypes of each width that torch can gather, compare and scatter (its unsigned types
 # above 8 bits lack most kernels). Bits are bits: the signed view is only a container.
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def int_dtype(dtype: torch.dtype) -> torch.dtype:
-    return _INT_OF_WIDTH[dtype.itemsize]
+    # uint8 for one byte (numpy and torch agree on it), signed otherwise
+    return torch_uint(1) if dtype.itemsize == 1 else torch_int(dtype.itemsize)
 
 
 def _c_contiguous(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
