@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import click
 
-from .common import byte_progress, emit_json, handle_errors, human_bytes
-from .store_options import parse_rate, parse_storage_options, storage_options
+from .common import emit_json, handle_errors, human_bytes
+from .store_options import parse_rate, parse_storage_options, sized_progress, storage_options
 
 
 @click.command("pull")
@@ -50,8 +49,7 @@ def command(
 
     With --since, fetch the chain of deltas a lagging receiver needs.
     """
-    from ..store import Store, pull, pull_since
-    from ..store.transfer import chain_between, resolve
+    from ..store import pull, pull_since
 
     options = parse_storage_options(storage_option)
     if join or since is not None:  # keyframes and shortcuts (store/keyframes.py); plain chains as before
@@ -60,17 +58,12 @@ def command(
         if catch_up_pull(url, out, since, version, join, options, workers, repair, parse_rate(limit_rate), as_json):
             return
     common: dict[str, Any] = dict(storage_options=options, workers=workers, limit_rate=parse_rate(limit_rate))
-    total = 0
-    if progress and sys.stderr.isatty():
-        store = Store(url, options)
-        store.require_marker()
-        records = chain_between(store, since, version) if since is not None else [resolve(store, version)]
-        total = sum(r.payload_bytes + (r.repair_bytes if repair else 0) for r in records)
-    with byte_progress(total, "pull", progress) as advance:
+    with sized_progress("pull", progress) as (on_total, advance):
+        common.update(progress=advance, on_total=on_total, repair=repair)
         if since is not None:
-            results = pull_since(url, since, out, version=version, progress=advance, repair=repair, **common)
+            results = pull_since(url, since, out, version=version, **common)
         else:
-            results = [pull(url, out, version=version, progress=advance, repair=repair, **common)]
+            results = [pull(url, out, version=version, **common)]
     if as_json:
         emit_json(results[0].to_json() if since is None else {"versions": [r.to_json() for r in results]})
         return

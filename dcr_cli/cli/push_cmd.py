@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import byte_progress, emit_json, handle_errors, human_bytes
-from .store_options import parse_rate, parse_storage_options, storage_options
+from .common import emit_json, handle_errors, human_bytes
+from .store_options import parse_rate, parse_storage_options, sized_progress, storage_options
 
 
 @click.command("push")
@@ -43,17 +43,16 @@ def command(
     The version label is the delta's target version. Re-running after a kill
     uploads only the rest; re-running after success changes nothing.
     """
-    from ..delta.reader import Delta
     from ..store import push
 
-    total = sum(b.size for b in {b.id: b for b in Delta.open(delta).manifest.blocks}.values())
-    with byte_progress(total, "push", progress) as advance:
+    with sized_progress("push", progress) as (on_total, advance):
         result = push(
             delta,
             url,
             storage_options=parse_storage_options(storage_option),
             workers=workers,
             progress=advance,
+            on_total=on_total,
             limit_rate=parse_rate(limit_rate),
             allow_unsafe_publish=allow_unsafe_publish,
             verify_remote=verify_remote,

@@ -10,16 +10,17 @@ not treated as damage.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import DcrError
-from ..format.digest import digest_bytes
-from ..format.manifest import parse_manifest
-from .repo import BLOCKS, MANIFESTS, Store
-from .transfer import DEFAULT_WORKERS, parallel
+from ..format.manifest import BlockEntry, parse_manifest
+from .backends import TMP_PREFIX
+from .repo import BLOCKS, COMMITS, MANIFESTS, VERSIONS, CommitRecord, Ref, Store, StoreBlockSource, VersionRecord
+from .transfer import DEFAULT_WORKERS, block_intact, parallel
 
 
 @dataclass
@@ -72,16 +73,18 @@ def check(
 ) -> CheckResult:
     store = Store(url, storage_options)
     store.require_marker()
-    records = store.versions()
     problems: list[str] = []
+    records = _records(store, problems)
     try:
         chain = store.chain()
     except DcrError as exc:
         chain = []
         problems.append(str(exc))
-    for c in chain:
-        if c.version not in records:
-            problems.append(f"committed version {c.version!r} has no version record")
+    genesis = store.genesis()
+    _check_chain(store, genesis, chain, records, problems)
+    head = chain[-1].version if chain else genesis.version
+    # The head and what waits on it are what receivers fetch: their manifests must be there.
+    needed_now = {head} | {r.version for r in records.values() if r.base.version == head}
 
     manifest_names = {e.name for e in store.list(MANIFESTS)}
     blocks = {e.name: e.size for e in store.list(BLOCKS)}
@@ -90,13 +93,25 @@ def check(
     checked = 0
     for record in sorted(records.values(), key=lambda r: r.version):
         if f"{record.manifest}.json" not in manifest_names:
-            unavailable.append(record.version)
+            if record.version in needed_now:
+                role = "head" if record.version == head else "pending version"
+                problems.append(
+                    f"the manifest of the {role} {record.version!r} is missing (manifests/{record.manifest[:16]}…); "
+                    "push its delta again"
+                )
+            else:
+                unavailable.append(record.version)
             continue
         try:
             manifest = parse_manifest(store.manifest_bytes(record))
         except DcrError as exc:
             problems.append(str(exc))
             continue
+        if (manifest.base.fingerprint, manifest.target.fingerprint) != (
+            record.base.fingerprint,
+            record.target.fingerprint,
+        ):
+            problems.append(f"the manifest of version {record.version!r} does not match its version record")
         checked += 1
         for block in manifest.blocks:
             referenced[block.id] = block.size
@@ -128,20 +143,78 @@ def check(
         if subset is not None:
             count = subset if isinstance(subset, int) else max(1, round(len(candidates) * subset))
             candidates = sorted(random.Random(seed).sample(candidates, min(count, len(candidates))))
-        corrupt: list[str] = []
+        source = StoreBlockSource(store)
 
-        def verify(block_id: str) -> Callable[[], None]:
-            def run() -> None:
-                data = store.read(f"{BLOCKS}/{block_id}")
-                if len(data) != referenced[block_id] or digest_bytes(data) != block_id:
-                    corrupt.append(block_id)
-                if progress is not None:
-                    progress(len(data))
+        def verify(block_id: str) -> bool:
+            ok = block_intact(source, BlockEntry(block_id, referenced[block_id], "data"))  # bounded reads
+            if progress is not None:
+                progress(referenced[block_id])
+            return ok
 
-            return run
-
-        parallel((verify(b) for b in candidates), workers)
+        intact = parallel((functools.partial(verify, b) for b in candidates), workers)
         result.blocks_read = len(candidates)
         result.bytes_read = sum(referenced[b] for b in candidates)
-        problems.extend(f"block {b[:16]}… is corrupt (digest mismatch)" for b in sorted(corrupt))
+        problems.extend(
+            f"block {b[:16]}… is corrupt (digest mismatch)" for b, ok in zip(candidates, intact, strict=True) if not ok
+        )
     return result
+
+
+def _records(store: Store, problems: list[str]) -> dict[str, VersionRecord]:
+    """Every readable version record; an unreadable one is damage, reported, and the check goes on."""
+    out: dict[str, VersionRecord] = {}
+    for entry in store.list(VERSIONS):
+        if not entry.name.endswith(".json") or entry.name.startswith(TMP_PREFIX):
+            continue
+        name = entry.name[: -len(".json")]
+        try:
+            record = store.version(name)
+        except DcrError as exc:
+            problems.append(f"versions/{entry.name}: {exc}")
+            continue
+        if record is None:
+            continue
+        if record.version != name:
+            problems.append(f"versions/{entry.name} is the record of another version ({record.version!r})")
+            continue
+        out[name] = record
+    return out
+
+
+def _check_chain(
+    store: Store, genesis: Ref, chain: list[CommitRecord], records: dict[str, VersionRecord], problems: list[str]
+) -> None:
+    """Each commit continues the one before, names a record built on that base with those fingerprints,
+    and every commit record and the latest.json hint lie on the chain."""
+    previous = genesis
+    for c in chain:
+        record = records.get(c.version)
+        if c.base != previous:
+            problems.append(
+                f"commits/{previous.version}.json names a base {c.base.version!r} ({c.base.fingerprint[:16]}…) "
+                f"that is not the state it follows ({previous.fingerprint[:16]}…)"
+            )
+        if record is None:
+            problems.append(f"committed version {c.version!r} has no version record")
+        elif record.base != c.base or record.target != c.target:
+            problems.append(
+                f"commits/{previous.version}.json commits {c.version!r}, but that version is built on "
+                f"{record.base.version!r} ({record.base.fingerprint[:16]}…) -> {record.target.fingerprint[:16]}…, "
+                f"not {c.base.version!r} ({c.base.fingerprint[:16]}…) -> {c.target.fingerprint[:16]}…"
+            )
+        previous = c.target
+    on_chain = {genesis.version, *(c.version for c in chain)}
+    bases = {genesis.version, *(c.version for c in chain[:-1])}
+    for entry in store.list(COMMITS):
+        name = entry.name[: -len(".json")] if entry.name.endswith(".json") else None
+        if name is not None and not entry.name.startswith(TMP_PREFIX) and name not in bases:
+            problems.append(
+                f"commits/{entry.name} is not on the commit chain from the genesis (a commit record before it "
+                "is missing?)"
+            )
+    hint = store.latest_hint()
+    if hint is not None and hint not in on_chain:
+        problems.append(
+            f"latest.json names {hint!r}, which is not on the commit chain (it ends at "
+            f"{chain[-1].version if chain else genesis.version!r}): a commit record is missing"
+        )

@@ -8,8 +8,6 @@ head of that chain is the only base a producer may diff against.
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,6 +18,7 @@ from .repo import (
     COMMITS,
     LATEST,
     MANIFESTS,
+    MAX_RECORD_BYTES,
     STORE_MAJOR,
     STORE_MINOR,
     CommitRecord,
@@ -28,6 +27,7 @@ from .repo import (
     VersionRecord,
     check_label,
     dumps,
+    is_label,
     parse_record,
     utc_now,
 )
@@ -70,17 +70,26 @@ def acknowledge(
 
 
 def acks(store: Store, record: VersionRecord) -> list[str]:
-    """Receivers whose acknowledgement of ``record`` names its target fingerprint, sorted."""
+    """Receivers that acknowledged ``record``, sorted. An acknowledgement counts by its object name,
+    ``acks/<version>/<receiver>.json``, and only if what it says agrees with that name and with the
+    version record (store-v1 §3.3)."""
     names: list[str] = []
     for entry in store.list(f"{ACKS}/{record.version}"):
-        if not entry.name.endswith(".json"):
-            continue
+        receiver = entry.name[: -len(".json")] if entry.name.endswith(".json") else ""
+        if not is_label(receiver):
+            continue  # temporary files of an interrupted write, strays
         try:
-            obj = parse_record(store.read(f"{ACKS}/{record.version}/{entry.name}"), ACK_KIND, entry.name)
+            obj = parse_record(
+                store.read(f"{ACKS}/{record.version}/{entry.name}", limit=MAX_RECORD_BYTES), ACK_KIND, entry.name
+            )
         except (FileNotFoundError, DcrError):
             continue  # unreadable acks do not count; the receiver re-acknowledges
-        if obj.get("fingerprint") == record.target.fingerprint and obj.get("version") == record.version:
-            names.append(str(obj.get("receiver")))
+        if (obj.get("receiver"), obj.get("version"), obj.get("fingerprint")) == (
+            receiver,
+            record.version,
+            record.target.fingerprint,
+        ):
+            names.append(receiver)
     return sorted(set(names))
 
 
@@ -264,9 +273,7 @@ def status(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[s
         {"version": r.version, "fingerprint": r.target.fingerprint, "created": r.created, "acked": acks(store, r)}
         for r in store.children(head.version)
     ]
-    hint = None
-    with contextlib.suppress(FileNotFoundError, ValueError, AttributeError):
-        hint = json.loads(store.read(LATEST)).get("version")
+    hint = store.latest_hint()
     return {
         "store": url,
         "genesis": genesis.to_json(),

@@ -66,6 +66,11 @@ def check_label(label: str, what: str) -> str:
     return label
 
 
+def is_label(text: str) -> bool:
+    """Whether ``text`` is a valid version or receiver label (store-v1 §1.1)."""
+    return bool(_LABEL.fullmatch(text)) and not text.endswith(".json")
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
