@@ -30,7 +30,6 @@ weights FP8 block-quantized, each with a ``weight_scale_inv``: both residual (fp
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Callable
@@ -41,6 +40,8 @@ import numpy as np
 
 from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import from_torch, to_torch, torch_uint
+from ..format.strict_json import load_json
+from ..io.reading import read_regular_file
 from .fp8 import DEFAULT_BLOCK, fp8_convert, scale_shape
 from .shards import CanonicalTensor, Segment, ShardReader, StoredTensor
 
@@ -60,12 +61,21 @@ def load_profile(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     if p.is_dir():
         p = p / "config.json"
     try:
-        profile = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
+        profile = load_json(_read_profile(p), str(p))
+    except (OSError, FormatError) as exc:
         raise IncompatibleError(f"cannot read the Megatron profile {p}: {exc}") from None
     if not isinstance(profile, dict):
         raise IncompatibleError(f"the Megatron profile {p} is not a JSON object (give the model's HF config.json)")
     return profile
+
+
+MAX_PROFILE_BYTES = 16 << 20  # an HF config.json is a few KiB
+
+
+def _read_profile(path: Path) -> bytes:
+    if path.stat().st_size > MAX_PROFILE_BYTES:
+        raise FormatError(f"{path}: {path.stat().st_size} bytes is too large for a model config")
+    return read_regular_file(path)
 
 
 RESIDUAL_DTYPES = ("BF16", "F16", "F32")  # the float dtypes a residual conversion reads and writes

@@ -18,7 +18,9 @@ import json
 import os
 from pathlib import Path
 
+from ..errors import FormatError
 from ..format.digest import digest_bytes, is_digest
+from ..format.strict_json import load_json
 
 
 def cache_dir() -> Path | None:
@@ -68,9 +70,9 @@ def load_entry(entry_key: str) -> dict[str, str]:
     if root is None:
         return {}
     try:
-        data = json.loads((root / entry_key).read_text())
-    except (OSError, ValueError):
-        return {}
+        data = load_json((root / entry_key).read_bytes(), entry_key)
+    except (OSError, FormatError):
+        return {}  # unreadable or damaged: a cache miss, never an error
     if not isinstance(data, dict) or not all(isinstance(k, str) and is_digest(v) for k, v in data.items()):
         return {}
     return data
