@@ -138,43 +138,49 @@ class _ResidualStream:
 
     The ranges are exactly those of the whole converted tensor (``chunk_ranges``), so banding
     never changes the delta; a range that a band covers whole is scanned in place, one that
-    straddles bands is gathered into a buffer of one range.
+    straddles bands is gathered into one buffer of a range per side.
     """
 
     def __init__(self, name: str, op: Op, residual: str, itemsize: int, size: int, scan: Scan) -> None:
         self.name, self.op, self.residual, self.scan = name, op, residual, scan
         self.ranges = chunk_ranges(size, itemsize)
         self.next = 0  # index of the range being filled
-        self.pos = 0  # canonical elements received
-        self.parts: list[tuple[np.ndarray, np.ndarray]] = []  # pieces of the range being filled
+        self.filled = 0  # elements of that range gathered in ``buffers``
+        self.buffers: tuple[np.ndarray, np.ndarray] | None = None
         self.digests = (StreamingDigest(), StreamingDigest())
 
     def feed(self, old: np.ndarray, cur: np.ndarray) -> Iterator[EncodedItem]:
         self.digests[0].update(old)
         self.digests[1].update(cur)
         at, end = 0, len(cur)
-        while at < end and self.next < len(self.ranges):
+        while at < end:
+            if self.next >= len(self.ranges):
+                raise IncompatibleError(f"{self.name}: the residual conversion gave more elements than its shape")
             start, stop = self.ranges[self.next]
-            take = min(end - at, stop - (self.pos + at))
-            self.parts.append((old[at : at + take], cur[at : at + take]))
+            take = min(end - at, stop - start - self.filled)
+            if self.filled == 0 and take == stop - start:
+                b, n = old[at : at + take], cur[at : at + take]  # the band holds the whole range
+            else:
+                if self.buffers is None or len(self.buffers[0]) != stop - start or self.buffers[0].dtype != cur.dtype:
+                    self.buffers = (np.empty(stop - start, cur.dtype), np.empty(stop - start, cur.dtype))
+                self.buffers[0][self.filled : self.filled + take] = old[at : at + take]
+                self.buffers[1][self.filled : self.filled + take] = cur[at : at + take]
+                self.filled += take
+                if self.filled < stop - start:
+                    break
+                b, n = self.buffers
             at += take
-            if self.pos + at == stop:
-                if len(self.parts) == 1:
-                    b, n = self.parts[0]
-                else:
-                    b, n = np.concatenate([p[0] for p in self.parts]), np.concatenate([p[1] for p in self.parts])
-                self.parts = []
-                self.next += 1
-                item = self.scan(self.name, Region.range(start, stop), b, n, self.op, self.residual)
-                if item is not None:
-                    yield item
-        # Pieces kept for the next band are copies, so that the band itself can be freed.
-        self.parts = [(b.copy(), n.copy()) for b, n in self.parts]
-        self.pos += end
+            self.next += 1
+            self.filled = 0
+            item = self.scan(self.name, Region.range(start, stop), b, n, self.op, self.residual)
+            if item is not None:
+                yield item
+        if self.next == len(self.ranges):
+            self.buffers = None
 
     def hexdigests(self) -> tuple[str, str]:
-        if self.next != len(self.ranges) or self.parts:
-            raise IncompatibleError(f"{self.name}: the residual conversion gave a wrong number of elements")
+        if self.next != len(self.ranges) or self.filled:
+            raise IncompatibleError(f"{self.name}: the residual conversion gave fewer elements than its shape")
         return self.digests[0].hexdigest(), self.digests[1].hexdigest()
 
 
