@@ -286,4 +286,4 @@ def test_residual_fp8_diff_memory_is_bounded_by_a_band_not_the_tensor(tmp_path: 
     large = _residual_diff(tmp_path / "large", 8192, 16384, 32 << 20)["grown"]
     tensor = 8192 * 16384 * 2
     assert large < tensor, f"heap grew by {large >> 20} MiB for a {tensor >> 20} MiB tensor"
-    assert large - small < (tensor >> 2), f"heap grew {small >> 20} MiB, then {large >> 20} MiB for an 8x tensor"
+    assert large - small < (tensor >> 1), f"heap grew {small >> 20} MiB, then {large >> 20} MiB for an 8x tensor"
