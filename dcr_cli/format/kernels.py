@@ -160,3 +160,24 @@ def escaped_gaps(positions: np.ndarray) -> np.ndarray:
     out = np.empty(5 * len(positions), dtype=np.uint8)
     size = _escaped_gaps(positions.astype(np.int64, copy=False), out) if len(positions) else 0
     return out[:size]
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _split_planes(values, width, out):
+    # Plane by plane, each a shift-and-mask over all values (a loop LLVM vectorizes).
+    n = values.shape[0]
+    for j in range(width):
+        shift = np.uint64(8 * j)
+        plane = out[j * n : (j + 1) * n]
+        for i in range(n):
+            plane[i] = (np.uint64(values[i]) >> shift) & np.uint64(0xFF)
+
+
+def byte_planes(values: np.ndarray) -> np.ndarray:
+    """Little-endian unsigned values as byte planes, least significant plane first (delta-v1 §6.2)."""
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if flat.dtype.itemsize == 1:
+        return flat.view(np.uint8)
+    out = np.empty(flat.nbytes, dtype=np.uint8)
+    _split_planes(flat.astype(flat.dtype.newbyteorder("="), copy=False), flat.dtype.itemsize, out)
+    return out
