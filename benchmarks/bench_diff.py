@@ -279,14 +279,17 @@ for i, w in enumerate(["warm"] + workers):
     with SafetensorsCheckpoint(base) as a:
         a.tensor_digests()  # a stream's steady state: the base was the previous target
     delta = work / f"delta-{i}"
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     diff(base, new, delta, workers=int(w) if w not in ("all", "warm") else None)
     out[w] = time.perf_counter() - start
+    out[w + " cpu"] = time.process_time() - cpu
     manifest = json.loads((delta / "manifest.json").read_text())
     manifest.pop("created", None)
     out["delta"] = [sorted(os.listdir(delta / "blocks")), json.dumps(manifest, sort_keys=True)]
     shutil.rmtree(delta)
     shutil.rmtree(work / f"cache-{i}")
+import dcr_cli
+out["module"] = dcr_cli.__file__
 print("RESULT " + json.dumps(out))
 """
 
@@ -298,11 +301,14 @@ def run_child(checkout: Path, base: Path, new: Path, work: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(base), str(new), str(work), "all", "1"],
-        env=env, capture_output=True, text=True, check=False,
+        env=env, capture_output=True, text=True, check=False, cwd=tempfile.gettempdir(),
     )  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"diff with {checkout} failed: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    got = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    if not Path(got["module"]).resolve().is_relative_to(checkout.resolve()):
+        raise SystemExit(f"the child imported {got['module']}, not the checkout {checkout}")
+    return got
 
 
 def bandwidth(args: argparse.Namespace) -> None:
@@ -323,10 +329,13 @@ def bandwidth(args: argparse.Namespace) -> None:
         for label, checkout in checkouts.items():
             # The reference and BLAKE3 pass open the files anew each time, as a diff does.
             with SafetensorsCheckpoint(base) as a, SafetensorsCheckpoint(new) as b:
-                times["reference"].append(best_of(lambda: reference_pass(a, b), 1))
-                times["blake3"].append(best_of(lambda: digest_pass(b), 1))
+                for key, fn in (("reference", lambda: reference_pass(a, b)), ("blake3", lambda: digest_pass(b))):
+                    start, cpu = time.perf_counter(), time.process_time()
+                    fn()
+                    times[key].append(time.perf_counter() - start)
+                    times.setdefault(key + " cpu", []).append(time.process_time() - cpu)
             got = run_child(checkout, base, new, root / f"work-{label}")
-            for w in ("all", "1"):
+            for w in ("all", "1", "all cpu", "1 cpu"):
                 times.setdefault(f"{label} {w}", []).append(got[w])
             deltas[label] = got["delta"]
     best = {k: min(v) for k, v in times.items()}
@@ -335,16 +344,24 @@ def bandwidth(args: argparse.Namespace) -> None:
         f"model: {target_bytes / 2**30:.2f} GiB BF16 per side, {elements / 1e9:.2f} G elements, {args.layers} layers,"
         f" {args.rate:.0%} uniform changes; {default_workers()} cores; best of {args.repeat}, interleaved"
     )
-    print(f"  {'':34s}{'best s':>9}{'median s':>10}{'vs ref':>8}")
+    print("  (wall: elapsed seconds; cpu: seconds of CPU over all threads, robust to other load on the machine)")
+    print(f"  {'':42s}{'best s':>8}{'median s':>10}{'vs ref':>8}{'cpu s':>8}{'cpu/ref':>9}")
     rows = [("reference: numpy XOR-and-count, one core", "reference"), ("BLAKE3 of the target, one thread", "blake3")]
     for label in checkouts:
         rows += [(f"dcr diff ({label}), all cores", f"{label} all"), (f"dcr diff ({label}), one worker", f"{label} 1")]
     for text, key in rows:
         v = sorted(times[key])
-        print(f"  {text:34s}{best[key]:>9.3f}{v[len(v) // 2]:>10.3f}{best[key] / ref:>8.2f}x")
+        cpu = best[key + " cpu"]
+        print(
+            f"  {text:42s}{best[key]:>8.3f}{v[len(v) // 2]:>10.3f}{best[key] / ref:>7.2f}x"
+            f"{cpu:>8.3f}{cpu / best['reference cpu']:>8.2f}x"
+        )
     if "before" in checkouts:
         for w, name in (("all", "all cores"), ("1", "one worker")):
-            print(f"  speedup after/before, {name}: {best[f'before {w}'] / best[f'after {w}']:.2f}x")
+            print(
+                f"  after vs before, {name}: {best[f'before {w}'] / best[f'after {w}']:.2f}x faster,"
+                f" {best[f'before {w} cpu'] / best[f'after {w} cpu']:.2f}x less CPU"
+            )
         print(f"  deltas identical: {deltas['before'] == deltas['after']}")
     if args.json:
         args.json.write_text(json.dumps({"times": times, "best": best}, indent=2))

@@ -66,7 +66,7 @@ def measure(checkout: Path, base: Path, new: Path, out: Path, workers: str, prof
     env = {**os.environ, "PYTHONPATH": str(checkout), "DCR_CACHE_DIR": ""}
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(base), str(new), str(out), workers, json.dumps(profile) if profile else "-"],
-        env=env, capture_output=True, text=True, check=False,
+        env=env, capture_output=True, text=True, check=False, cwd=tempfile.gettempdir(),
     )  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"diff failed: {proc.stderr[-3000:]}")

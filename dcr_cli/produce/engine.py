@@ -19,7 +19,7 @@ import numpy as np
 
 from ..checkpoints import detect_format, open_source
 from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
-from ..checkpoints.shards import BAND_BYTES, RESIDUAL_BAND_BYTES, Chunk, ShardCheckpoint
+from ..checkpoints.shards import BAND_BYTES, RESIDUAL_BAND_BYTES, Chunk, ShardCheckpoint, release_pages
 from ..delta.summary import DiffSummary, summarize
 from ..delta.writer import DeltaWriter
 from ..errors import IncompatibleError
@@ -86,6 +86,17 @@ class HfSide:
 
     def table(self, digests: dict[str, str]) -> dict[str, TensorEntry]:
         return self.ckpt.tensor_table(digests)
+
+    def release_tensor(self, name: str) -> None:
+        """Done with this tensor: unmap its pages from this process (they stay in the page cache).
+
+        Unmapping is work for the kernel in proportion to the pages mapped; done here, by the
+        worker that read them, it runs in parallel with the other workers instead of all at
+        once when the checkpoint is closed.
+        """
+        loc = self.ckpt.tensors[name]
+        if loc.nbytes:
+            release_pages(self.ckpt._map(loc.file), loc.start, loc.nbytes)
 
 
 def numpy_scan(level: int | None) -> Scan:
@@ -263,6 +274,10 @@ def execute(
                 h.update(b"")
         for h, _, digests in hashers:
             digests[name] = h.hexdigest()
+        for side in (base, new):
+            release = getattr(side, "release_tensor", None)
+            if release is not None:
+                release(name)
 
     def chunk_task(u: ChunkUnit) -> Iterator[EncodedItem]:
         barr, narr = base.read_chunk(u.key, u.chunk), new.read_chunk(u.key, u.chunk)
