@@ -123,7 +123,7 @@ def band_of(arr: Any, band: Band) -> Any:
 
 # The scan hashes the target (and a base without a cached digest) tile by tile, while the tile
 # is still in cache: about L2-sized, of the target's bytes.
-TILE_BYTES = 1 << 20
+TILE_BYTES = 256 << 10
 # Bytes of anonymous memory the tasks in flight may hold, per worker (ordered_stream's budget);
 # a task larger than the whole budget runs alone, so peak memory is O(largest task), not O(model).
 BUDGET_PER_WORKER = 128 << 20
