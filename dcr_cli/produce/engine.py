@@ -10,6 +10,8 @@ training checkpoint in canonical coordinates, or live tensors (live.py).
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -144,6 +146,40 @@ def _scan_cost(nbytes: int) -> int:
     return 4 * nbytes
 
 
+class _TileFeeder:
+    """Feeds tiles to BLAKE3 hashers in order: on the calling thread, or pipelined on a helper thread."""
+
+    def __init__(self, pipelined: bool) -> None:
+        self.pipelined = pipelined
+        self.error: BaseException | None = None
+        if pipelined:
+            self.jobs: queue.Queue[tuple[Any, np.ndarray] | None] = queue.Queue(maxsize=8)
+            self.thread = threading.Thread(target=self._run, name="dcr-hash", daemon=True)
+            self.thread.start()
+
+    def feed(self, hasher: Any, tile: np.ndarray) -> None:
+        if self.pipelined:
+            self.jobs.put((hasher, tile))
+        else:
+            hasher.update(tile)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    job[0].update(job[1])
+                except BaseException as exc:  # reported by close()
+                    self.error = exc
+
+    def close(self) -> None:
+        if self.pipelined:
+            self.jobs.put(None)
+            self.thread.join()
+            self.pipelined = False
+        if self.error is not None:
+            raise self.error
+
+
 class _ResidualStream:
     """One residual tensor's converted bits, fed band by band, cut into the items' flat ranges.
 
@@ -244,34 +280,38 @@ def execute(
     def tensor_task(name: str, ranges: list[RangeUnit]) -> Iterator[EncodedItem]:
         """A tensor's digests and ranges in one pass: each tile is hashed right after it is scanned."""
         hashers = [
-            (blake3.blake3(max_threads=1), side, digests)  # one thread: the other workers use the other cores
+            (blake3.blake3(max_threads=1), side, digests)  # one thread per hasher: the workers use the cores
             for side, digests in ((base, b_digests), (new, n_digests))
             if name not in digests
         ]
-        for u in ranges:
-            b, n = base.flat(u.name, u.start, u.stop), new.flat(u.name, u.start, u.stop)
-            views = [(h, (b if side is base else n).view(np.uint8)) for h, side, _ in hashers]
-            width = u.itemsize
+        # With several workers the scans wait on memory: a helper thread hashes each tile from the
+        # last-level cache while the scan reads the next one. One worker is one thread.
+        feeder = _TileFeeder(pipelined=workers > 1 and bool(hashers))
+        tile = TILE_BYTES * (4 if feeder.pipelined else 1)
+        try:
+            for u in ranges:
+                b, n = base.flat(u.name, u.start, u.stop), new.flat(u.name, u.start, u.stop)
+                views = [(h, (b if side is base else n).view(np.uint8)) for h, side, _ in hashers]
+                width = u.itemsize
 
-            def hash_tile(lo: int, hi: int, views: list[tuple[Any, np.ndarray]] = views, width: int = width) -> None:
-                for h, raw in views:
-                    h.update(raw[lo * width : hi * width])
+                def hash_tile(lo: int, hi: int, views: list[tuple[Any, Any]] = views, width: int = width) -> None:
+                    for h, raw in views:
+                        feeder.feed(h, raw[lo * width : hi * width])
 
-            positions, masks, news = scan_changes(
-                b, n, tile=TILE_BYTES // width, after=hash_tile if hashers else None
-            )  # fmt: skip
-            item = encode_changes(
-                u.name, Region.range(u.start, u.stop), positions, masks, news, len(n), _const(b, n), op=u.op,
-                level=level,
-            )  # fmt: skip
-            del positions, masks, news, views
-            if progress:
-                progress((u.stop - u.start) * u.itemsize)
-            if item is not None:
-                yield item
-        if not ranges:  # an empty tensor
-            for h, _, _ in hashers:
-                h.update(b"")
+                positions, masks, news = scan_changes(
+                    b, n, tile=tile // width, after=hash_tile if hashers else None
+                )  # fmt: skip
+                item = encode_changes(
+                    u.name, Region.range(u.start, u.stop), positions, masks, news, len(n), _const(b, n), op=u.op,
+                    level=level,
+                )  # fmt: skip
+                del positions, masks, news, views
+                if progress:
+                    progress((u.stop - u.start) * u.itemsize)
+                if item is not None:
+                    yield item
+        finally:
+            feeder.close()
         for h, _, digests in hashers:
             digests[name] = h.hexdigest()
         for side in (base, new):
