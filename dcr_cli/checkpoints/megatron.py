@@ -42,7 +42,7 @@ from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import from_torch, to_torch, torch_uint
 from ..format.strict_json import load_json
 from ..io.reading import read_regular_file
-from .fp8 import DEFAULT_BLOCK, fp8_convert, scale_shape
+from .fp8 import DEFAULT_BLOCK, Fp8Quantizer, fp8_convert, scale_shape
 from .shards import CanonicalTensor, Segment, ShardReader, StoredTensor
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -270,7 +270,8 @@ def quantize_fp8(
         t = out[name]
         src = stored[t.segments[0].key].dtype
         check_dtype_support(src)
-        quantize = fp8_convert(src, block, "weight")
+        joint = Fp8Quantizer(src, block)  # one quantization of the source for both outputs
+        quantize = fp8_convert(src, block, "weight", joint)
         out[name] = CanonicalTensor(
             name, "F8_E4M3", t.shape, t.segments, f"fp8 block quantization ({tag})", quantize, src
         )
@@ -281,7 +282,7 @@ def quantize_fp8(
             scale_shape(t.shape, block),
             [dataclasses.replace(seg, name=scale_name) for seg in t.segments],
             f"fp8 block scale ({tag})",
-            fp8_convert(src, block, "scale"),
+            fp8_convert(src, block, "scale", joint),
             src,
             source_shape=t.shape,
         )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from ..io import digest_cache
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 BAND_BYTES = 16 << 20  # canonical row bands assembled at once (digests, tied checks)
+RESIDUAL_BAND_BYTES = 4 << 20  # source row bands converted at once on the residual path
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,46 @@ class ShardCheckpoint:
         assert t.convert is not None
         return t.convert(self.assemble(name)).reshape(-1)
 
+    def shares_source(self, first: str, second: str) -> bool:
+        """Whether residual ``second`` is computed from the same stored values as ``first`` by one joint
+        conversion (an fp8 weight and its scale), so that one assembly and conversion serve both."""
+        a, b = self.canonical[first], self.canonical[second]
+        joint = getattr(a.convert, "joint", None)
+        if joint is None or getattr(b.convert, "joint", None) is not joint:
+            return False
+        if (a.assembled_shape, a.source_dtype) != (b.assembled_shape, b.source_dtype):
+            return False
+        return [(s.key, s.offsets, s.sizes, s.canonical_offsets) for s in a.segments] == [
+            (s.key, s.offsets, s.sizes, s.canonical_offsets) for s in b.segments
+        ]
+
+    def converted_bands(self, names: Sequence[str], max_bytes: int = RESIDUAL_BAND_BYTES) -> Iterator[list[np.ndarray]]:
+        """Residual tensors' canonical bits band by band of source rows: per band, one flat array per name.
+
+        Concatenated over the bands, each name's arrays are ``converted(name)``; memory is bounded by
+        a band of about ``max_bytes`` source bytes and its conversion, not by the tensor. ``names`` is
+        one residual tensor, or several that ``shares_source`` (each band is converted once for all).
+        """
+        first = self.canonical[names[0]]
+        assert first.convert is not None
+        joint = getattr(first.convert, "joint", None) if len(names) > 1 else None
+        if len(names) > 1 and not all(self.shares_source(names[0], n) for n in names[1:]):
+            raise ValueError(f"{list(names)} do not share one residual conversion")
+        converts = [self.canonical[n].convert for n in names]
+        multiple = int(getattr(first.convert, "band_rows", 1))
+        cache = ChunkCache(self.reader)
+        try:
+            for rows in self.band_rows(names[0], max_bytes, multiple):
+                source = self.assemble(first, rows, cache)
+                if joint is not None:
+                    outs = joint(source)
+                    yield [np.asarray(outs[c.index]).reshape(-1) for c in converts]  # type: ignore[union-attr]
+                else:
+                    yield [c(source).reshape(-1) for c in converts]  # type: ignore[misc]
+                del source
+        finally:
+            cache.clear()
+
     def check_tied(self, key: str, name: str) -> None:
         """The stored duplicate ``key`` must equal canonical ``name`` (a tied copy), band by band."""
         dup = self.duplicate_view(key, name)
@@ -340,13 +381,15 @@ class ShardCheckpoint:
         cache.clear()
 
     # ----- assembly (bounded): canonical row bands, for digests and the residual path
-    def band_rows(self, name: str, max_bytes: int) -> list[tuple[int, int]]:
+    def band_rows(self, name: str, max_bytes: int, multiple: int = 1) -> list[tuple[int, int]]:
+        """Row bands of about ``max_bytes`` of the assembled source; each starts at a ``multiple`` of rows."""
         t = self.canonical[name]
         shape = t.assembled_shape
         if not shape:
             return [(0, 1)]
         row_bytes = max(1, numel(shape[1:]) * lookup_dtype(t.source_dtype or t.dtype).itemsize)
         step = max(1, max_bytes // row_bytes)
+        step = max(multiple, step - step % multiple)
         return [(r, min(r + step, shape[0])) for r in range(0, shape[0], step)] or [(0, 0)]
 
     def row_runs(self, name: str) -> list[tuple[str, Chunk, tuple[slice, ...]]] | None:

@@ -22,7 +22,7 @@ import zstandard
 from ..errors import IntegrityError
 from .digest import digest_bytes
 from .dtypes import DType
-from .kernels import ESCAPE, escaped_gaps, scan_changes
+from .kernels import ESCAPE, byte_planes, escaped_gaps, scan_changes
 from .manifest import Op, Region
 
 # None selects dcr's tuned parameters; an int selects that standard zstd level.
@@ -147,7 +147,7 @@ def decode_positions(frame: bytes | memoryview, count: int, region_size: int, wh
 
 
 def encode_values(values: np.ndarray, level: int | None = DEFAULT_LEVEL) -> bytes:
-    return compress(_to_planes(values), level)
+    return compress(byte_planes(values), level)
 
 
 def decode_values(frame: bytes | memoryview, count: int, dt: DType, what: str) -> np.ndarray:

@@ -23,28 +23,30 @@ GROUP_WORDS = 64
 def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
     """The scan kernel for elements of 64 / ``lanes`` bits, with the lane count fixed at compile time.
 
-    A group of 64 word comparisons becomes one bit mask (a loop LLVM vectorizes); only the set bits
-    are visited (count trailing zeros), and each changed word is expanded from the word itself (lane
-    j holds bits 64/lanes*j and up: the little-endian element order), so each input word is loaded
-    once and unchanged words cost a vector compare.
+    A group of 64 word comparisons becomes one bit mask (a loop LLVM vectorizes: it reads the group
+    through fixed-size slices, so the bounds of the loop are compile-time constants); only the set
+    bits are visited (count trailing zeros), and each changed word is expanded from the word itself
+    (lane j holds bits 64/lanes*j and up: the little-endian element order), so each input word is
+    loaded once and unchanged words cost a vector compare.
     """
     bits = 64 // lanes
     lane_mask = np.uint64((1 << bits) - 1)
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
-    def scan_words(base_words, new_words, word, k, positions, masks, news):
-        # Scans from word ``word`` on, appending at ``k``; stops early when a group might not fit.
-        # Returns (k, next word); the caller grows the outputs and resumes while next word < len(words).
-        n_words = base_words.shape[0]
+    def scan_words(base_words, new_words, word, end, k, positions, masks, news):
+        # Scans words [word, end), appending at ``k``; stops early when a group might not fit.
+        # Returns (k, next word); the caller grows the outputs and resumes while next word < end.
         capacity = positions.shape[0]
-        while word < n_words:
-            size = min(GROUP_WORDS, n_words - word)
+        while word < end:
+            size = min(GROUP_WORDS, end - word)
             if k + size * lanes > capacity:
                 return k, word
             changed = np.uint64(0)
             if size == GROUP_WORDS:
+                b_group = base_words[word : word + GROUP_WORDS]
+                n_group = new_words[word : word + GROUP_WORDS]
                 for j in range(GROUP_WORDS):
-                    changed |= np.uint64(base_words[word + j] != new_words[word + j]) << np.uint64(j)
+                    changed |= np.uint64(b_group[j] != n_group[j]) << np.uint64(j)
             else:
                 for j in range(size):
                     changed |= np.uint64(base_words[word + j] != new_words[word + j]) << np.uint64(j)
@@ -53,13 +55,14 @@ def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
                 changed &= changed - np.uint64(1)
                 xor_word = base_words[w] ^ new_words[w]
                 new_word = new_words[w]
+                first = w * lanes
                 for j in range(lanes):
                     shift = np.uint64(bits * j)
                     x = (xor_word >> shift) & lane_mask
-                    positions[k] = w * lanes + j
+                    positions[k] = first + j
                     masks[k] = x
                     news[k] = (new_word >> shift) & lane_mask
-                    k += x != 0
+                    k += np.int64(x != 0)
             word += size
         return k, word
 
@@ -69,33 +72,55 @@ def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
 _SCAN_WORDS = {lanes: _make_scan_words(lanes) for lanes in (1, 2, 4, 8)}
 
 
-def scan_changes(base: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Positions (int64, increasing), XOR masks and new values of the elements that differ."""
+def scan_changes(
+    base: np.ndarray,
+    new: np.ndarray,
+    *,
+    tile: int = 0,
+    after: Callable[[int, int], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions (int64, increasing), XOR masks and new values of the elements that differ.
+
+    With ``after``, the scan runs in tiles of about ``tile`` elements and calls ``after(start,
+    stop)`` once each tile's elements have been compared, while they are still in cache (the
+    engine feeds the same bytes to the BLAKE3 hasher). The tiles cover [0, len) in order.
+    """
     n = base.shape[0]
     lanes = 8 // base.dtype.itemsize
     full = (n // lanes) * lanes
     scan_words = _SCAN_WORDS[lanes]
     base_words, new_words = base[:full].view(np.uint64), new[:full].view(np.uint64)
+    n_words = len(base_words)
     # Sized for a sparse change; a dense one grows it a few times (amortized, like a list).
     capacity = min(n, max(GROUP_WORDS * lanes, n // 16))
     positions = np.empty(capacity, dtype=np.int64)
     masks = np.empty(capacity, dtype=base.dtype)
     news = np.empty(capacity, dtype=base.dtype)
-    k, word = 0, 0
-    while True:
-        k, word = scan_words(base_words, new_words, word, k, positions, masks, news)
-        if word >= len(base_words):
-            break
-        capacity = min(n, 2 * capacity)
-        positions, masks, news = (
-            np.concatenate([a[:k], np.empty(capacity - k, a.dtype)]) for a in (positions, masks, news)
-        )
+    # Tiles are whole groups of words, so that tiling never changes what the kernel computes.
+    step = n_words if after is None else max(GROUP_WORDS, (max(1, tile) // lanes) // GROUP_WORDS * GROUP_WORDS)
+    k, start, last = 0, 0, 0
+    while start < n_words:
+        end = min(n_words, start + step)
+        word = start
+        while True:
+            k, word = scan_words(base_words, new_words, word, end, k, positions, masks, news)
+            if word >= end:
+                break
+            capacity = min(n, 2 * capacity)
+            positions, masks, news = (
+                np.concatenate([a[:k], np.empty(capacity - k, a.dtype)]) for a in (positions, masks, news)
+            )
+        if after is not None and end < n_words:
+            after(start * lanes, end * lanes)
+        start, last = end, start
     tail = np.flatnonzero(base[full:] != new[full:]) + full  # fewer than one word's elements
     if len(tail):
         positions = np.concatenate([positions[:k], tail])
         masks = np.concatenate([masks[:k], base[tail] ^ new[tail]])
         news = np.concatenate([news[:k], new[tail]])
         k += len(tail)
+    if after is not None and n:
+        after(last * lanes, n)  # the last tile, with the tail
     return positions[:k], masks[:k], news[:k]
 
 
@@ -135,3 +160,24 @@ def escaped_gaps(positions: np.ndarray) -> np.ndarray:
     out = np.empty(5 * len(positions), dtype=np.uint8)
     size = _escaped_gaps(positions.astype(np.int64, copy=False), out) if len(positions) else 0
     return out[:size]
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _split_planes(values, width, out):
+    # Plane by plane, each a shift-and-mask over all values (a loop LLVM vectorizes).
+    n = values.shape[0]
+    for j in range(width):
+        shift = np.uint64(8 * j)
+        plane = out[j * n : (j + 1) * n]
+        for i in range(n):
+            plane[i] = (np.uint64(values[i]) >> shift) & np.uint64(0xFF)
+
+
+def byte_planes(values: np.ndarray) -> np.ndarray:
+    """Little-endian unsigned values as byte planes, least significant plane first (delta-v1 §6.2)."""
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if flat.dtype.itemsize == 1:
+        return flat.view(np.uint8)
+    out = np.empty(flat.nbytes, dtype=np.uint8)
+    _split_planes(flat.astype(flat.dtype.newbyteorder("="), copy=False), flat.dtype.itemsize, out)
+    return out

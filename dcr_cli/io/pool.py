@@ -1,12 +1,13 @@
-"""The one worker pool: ordered results, bounded in-flight work."""
+"""The one worker pool: ordered results, in-flight work bounded by a count or by bytes."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -19,8 +20,9 @@ def default_workers() -> int:
 def ordered_parallel(tasks: Iterable[Callable[[], T]], workers: int) -> Iterator[T]:
     """Run tasks on a thread pool, yielding results in submission order.
 
-    At most 2 x workers tasks are in flight, which bounds memory. Threads
-    suffice: numpy, zstd and BLAKE3 release the GIL for the heavy work.
+    At most 2 x workers tasks are in flight, which bounds memory when tasks are
+    alike. Threads suffice: numpy, zstd and BLAKE3 release the GIL for the heavy
+    work. Tasks of very different sizes take ``ordered_stream`` and a byte budget.
     """
     with ThreadPoolExecutor(max_workers=workers) as pool:
         window: deque[Future[T]] = deque()
@@ -30,3 +32,100 @@ def ordered_parallel(tasks: Iterable[Callable[[], T]], workers: int) -> Iterator
                 yield window.popleft().result()
         while window:
             yield window.popleft().result()
+
+
+class _Slot(Generic[T]):
+    """One task in flight: its declared cost, the results it produced that are not consumed yet."""
+
+    def __init__(self, cost: int) -> None:
+        self.cost = cost
+        self.results: deque[tuple[T, int]] = deque()
+        self.done = False
+        self.error: BaseException | None = None
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def ordered_stream(
+    tasks: Iterable[tuple[int, Callable[[], Iterable[T]]]],
+    workers: int,
+    *,
+    budget: int,
+    size: Callable[[T], int] = lambda _: 0,
+) -> Iterator[T]:
+    """Run streaming tasks on a thread pool; yield every task's results, in task order, as they come.
+
+    A task is ``(cost, fn)``: ``fn()`` returns an iterable of results (a generator streams them), and
+    ``cost`` is the bytes it may hold while it runs (its working memory). Held bytes are the costs of
+    the tasks in flight plus the ``size`` of the results produced and not yet consumed. A task starts
+    only while held bytes plus its cost stay within ``budget``, or when nothing is in flight (so one
+    task larger than the budget runs alone); a task that is not the oldest in flight waits before it
+    keeps a result that would exceed the budget, and the oldest never waits, so the pool always
+    progresses. The results of the oldest task are yielded as soon as they are produced.
+    """
+    cond = threading.Condition()
+    slots: deque[_Slot[T]] = deque()  # in flight, in task order
+    state = {"held": 0, "cancelled": False}
+
+    def run(slot: _Slot[T], fn: Callable[[], Iterable[T]]) -> None:
+        try:
+            for result in fn():
+                nbytes = size(result)
+                with cond:
+                    while slots[0] is not slot and state["held"] + nbytes > budget and not state["cancelled"]:
+                        cond.wait()
+                    if state["cancelled"]:
+                        raise _Cancelled
+                    slot.results.append((result, nbytes))
+                    state["held"] += nbytes
+                    cond.notify_all()
+        except _Cancelled:
+            pass
+        except BaseException as exc:  # handed to the consumer, in task order
+            slot.error = exc
+        finally:
+            with cond:
+                slot.done = True
+                cond.notify_all()
+
+    source = iter(tasks)
+    pending = next(source, None)
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        while True:
+            # Admit what fits (fetching the next task outside the lock: building one may take time).
+            while pending is not None:
+                cost, fn = pending
+                with cond:
+                    if slots and (state["held"] + cost > budget or len(slots) >= 4 * workers):
+                        break
+                    slot: _Slot[T] = _Slot(cost)
+                    slots.append(slot)
+                    state["held"] += cost
+                pool.submit(run, slot, fn)
+                pending = next(source, None)
+            with cond:
+                if not slots:
+                    return
+                head = slots[0]
+                while not head.results and not head.done:
+                    cond.wait()
+                if head.results:
+                    result, nbytes = head.results.popleft()
+                    state["held"] -= nbytes
+                    cond.notify_all()
+                else:
+                    slots.popleft()
+                    state["held"] -= head.cost
+                    cond.notify_all()
+                    if head.error is not None:
+                        raise head.error
+                    continue
+            yield result
+    finally:
+        with cond:
+            state["cancelled"] = True
+            cond.notify_all()
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -10,23 +10,29 @@ training checkpoint in canonical coordinates, or live tensors (live.py).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import blake3
 import numpy as np
 
 from ..checkpoints import detect_format, open_source
 from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
-from ..checkpoints.shards import Chunk, ShardCheckpoint
+from ..checkpoints.shards import BAND_BYTES, RESIDUAL_BAND_BYTES, Chunk, ShardCheckpoint, release_pages
 from ..delta.summary import DiffSummary, summarize
 from ..delta.writer import DeltaWriter
 from ..errors import IncompatibleError
-from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region
-from ..format.digest import digest_bytes
+from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, encode_changes
+from ..format.digest import StreamingDigest, digest_bytes
+from ..format.dtypes import numel
+from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
-from ..io.pool import default_workers, ordered_parallel
+from ..io.pool import default_workers, ordered_stream
 from .plan import (
+    CHUNK_BYTES,
     Band,
     ChunkUnit,
     DigestUnit,
@@ -34,7 +40,6 @@ from .plan import (
     RangeUnit,
     ResidualUnit,
     TiedUnit,
-    Unit,
     check_layouts,
     chunk_ranges,
     plan_shards,
@@ -53,7 +58,8 @@ class Side(Protocol):
     def read_chunk(self, key: str, chunk: Chunk) -> Any: ...
     def release(self, key: str, chunk: Chunk) -> None: ...
     def canonical_digest(self, name: str) -> str: ...
-    def converted(self, name: str) -> np.ndarray: ...
+    def converted_bands(self, names: Sequence[str]) -> Iterator[list[np.ndarray]]: ...
+    def shares_source(self, first: str, second: str) -> bool: ...
     def check_tied(self, key: str, name: str) -> None: ...
     def cached_digests(self) -> dict[str, str]: ...
     def remember_digests(self, digests: dict[str, str]) -> None: ...
@@ -62,6 +68,8 @@ class Side(Protocol):
 
 class HfSide:
     """A Hugging Face safetensors directory as a side of an identity plan (flat ranges and digests only)."""
+
+    flat_is_memory = True  # flat() returns numpy views of memory (the engine may hash while it scans)
 
     def __init__(self, ckpt: SafetensorsCheckpoint) -> None:
         self.ckpt = ckpt
@@ -81,28 +89,146 @@ class HfSide:
     def table(self, digests: dict[str, str]) -> dict[str, TensorEntry]:
         return self.ckpt.tensor_table(digests)
 
+    def release_tensor(self, name: str) -> None:
+        """Done with this tensor: unmap its pages from this process (they stay in the page cache).
+
+        Unmapping is work for the kernel in proportion to the pages mapped; done here, by the
+        worker that read them, it runs in parallel with the other workers instead of all at
+        once when the checkpoint is closed.
+        """
+        loc = self.ckpt.tensors[name]
+        if loc.nbytes:
+            release_pages(self.ckpt._map(loc.file), loc.start, loc.nbytes)
+
 
 def numpy_scan(level: int | None) -> Scan:
     """The CPU scan: numba's change kernel over numpy views (``format.codec.diff_region``)."""
 
     def scan(name: str, region: Region, base: Any, new: Any, op: Op, residual: str | None) -> EncodedItem | None:
         return diff_region(
-            name,
-            region,
-            np.ascontiguousarray(base).reshape(-1),
-            np.ascontiguousarray(new).reshape(-1),
-            op=op,
-            level=level,
-            residual=residual,
-        )
+            name, region, _flat(base), _flat(new), op=op, level=level, residual=residual
+        )  # fmt: skip
 
     return scan
+
+
+def _flat(arr: np.ndarray) -> np.ndarray:
+    """A flat C-order view, copying only when the array is not contiguous already."""
+    return arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
 
 
 def band_of(arr: Any, band: Band) -> Any:
     """The band's elements of a chunk array (numpy or torch), shaped as the canonical box."""
     piece = arr[band.slices].reshape(band.piece_sizes)
     return piece[band.rows[0] : band.rows[1]] if band.piece_sizes else piece
+
+
+# The scan hashes the target (and a base without a cached digest) tile by tile, while the tile
+# is still in cache: about L2-sized, of the target's bytes.
+TILE_BYTES = 256 << 10
+# Bytes of anonymous memory the tasks in flight may hold, per worker (ordered_stream's budget);
+# a task larger than the whole budget runs alone, so peak memory is O(largest task), not O(model).
+BUDGET_PER_WORKER = 128 << 20
+MIN_BUDGET = 256 << 20
+
+
+def diff_budget(workers: int) -> int:
+    return max(MIN_BUDGET, workers * BUDGET_PER_WORKER)
+
+
+def _item_bytes(item: EncodedItem) -> int:
+    return len(item.data) + len(item.repair or b"") + 512
+
+
+def _scan_cost(nbytes: int) -> int:
+    """Working memory of one region's scan and encoding: the change arrays at worst grow to a few
+    times the region (int64 positions), and the dense trial compresses it once more."""
+    return 4 * nbytes
+
+
+class _TileFeeder:
+    """Feeds tiles to BLAKE3 hashers in order: on the calling thread, or pipelined on a helper thread."""
+
+    def __init__(self, pipelined: bool) -> None:
+        self.pipelined = pipelined
+        self.error: BaseException | None = None
+        if pipelined:
+            self.jobs: queue.Queue[tuple[Any, np.ndarray] | None] = queue.Queue(maxsize=8)
+            self.thread = threading.Thread(target=self._run, name="dcr-hash", daemon=True)
+            self.thread.start()
+
+    def feed(self, hasher: Any, tile: np.ndarray) -> None:
+        if self.pipelined:
+            self.jobs.put((hasher, tile))
+        else:
+            hasher.update(tile)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    job[0].update(job[1])
+                except BaseException as exc:  # reported by close()
+                    self.error = exc
+
+    def close(self) -> None:
+        if self.pipelined:
+            self.jobs.put(None)
+            self.thread.join()
+            self.pipelined = False
+        if self.error is not None:
+            raise self.error
+
+
+class _ResidualStream:
+    """One residual tensor's converted bits, fed band by band, cut into the items' flat ranges.
+
+    The ranges are exactly those of the whole converted tensor (``chunk_ranges``), so banding
+    never changes the delta; a range that a band covers whole is scanned in place, one that
+    straddles bands is gathered into one buffer of a range per side.
+    """
+
+    def __init__(self, name: str, op: Op, residual: str, itemsize: int, size: int, scan: Scan) -> None:
+        self.name, self.op, self.residual, self.scan = name, op, residual, scan
+        self.ranges = chunk_ranges(size, itemsize)
+        self.next = 0  # index of the range being filled
+        self.filled = 0  # elements of that range gathered in ``buffers``
+        self.buffers: tuple[np.ndarray, np.ndarray] | None = None
+        self.digests = (StreamingDigest(), StreamingDigest())
+
+    def feed(self, old: np.ndarray, cur: np.ndarray) -> Iterator[EncodedItem]:
+        self.digests[0].update(old)
+        self.digests[1].update(cur)
+        at, end = 0, len(cur)
+        while at < end:
+            if self.next >= len(self.ranges):
+                raise IncompatibleError(f"{self.name}: the residual conversion gave more elements than its shape")
+            start, stop = self.ranges[self.next]
+            take = min(end - at, stop - start - self.filled)
+            if self.filled == 0 and take == stop - start:
+                b, n = old[at : at + take], cur[at : at + take]  # the band holds the whole range
+            else:
+                if self.buffers is None or len(self.buffers[0]) != stop - start or self.buffers[0].dtype != cur.dtype:
+                    self.buffers = (np.empty(stop - start, cur.dtype), np.empty(stop - start, cur.dtype))
+                self.buffers[0][self.filled : self.filled + take] = old[at : at + take]
+                self.buffers[1][self.filled : self.filled + take] = cur[at : at + take]
+                self.filled += take
+                if self.filled < stop - start:
+                    break
+                b, n = self.buffers
+            at += take
+            self.next += 1
+            self.filled = 0
+            item = self.scan(self.name, Region.range(start, stop), b, n, self.op, self.residual)
+            if item is not None:
+                yield item
+        if self.next == len(self.ranges):
+            self.buffers = None
+
+    def hexdigests(self) -> tuple[str, str]:
+        if self.next != len(self.ranges) or self.filled:
+            raise IncompatibleError(f"{self.name}: the residual conversion gave fewer elements than its shape")
+        return self.digests[0].hexdigest(), self.digests[1].hexdigest()
 
 
 def execute(
@@ -121,74 +247,166 @@ def execute(
     base_digests: dict[str, str] | None = None,
     target_digests: dict[str, str] | None = None,
     created: str | None = None,
+    budget: int | None = None,
 ) -> DiffSummary | None:
     """Run the plan's units on a thread pool and write their items in plan order.
 
     Returns the summary of the delta, or None when the plan is a part (``plan.rank``).
     ``base_digests``/``target_digests`` are digests already known (e.g. by a live producer), and
     are completed in place with those the units compute; without them the sides' caches are asked.
+    ``budget`` bounds the bytes the tasks in flight hold (default ``diff_budget(workers)``).
+
+    With the CPU scan over memory views (HF directories), a tensor's digest unit and its ranges
+    run as one task that hashes each tile of the scan while it is in cache, so the target is
+    read once; other units are tasks of their own.
     """
     workers = workers or default_workers()
+    budget = budget or diff_budget(workers)
+    fused = scan is None and getattr(base, "flat_is_memory", False) and getattr(new, "flat_is_memory", False)
     scan = scan or numpy_scan(level)
     # In a stream, the base was the previous diff's target: its digests are usually cached.
     b_digests = base.cached_digests() if base_digests is None else base_digests
     n_digests = new.cached_digests() if target_digests is None else target_digests
+    layout = plan.layout
 
-    def range_task(u: RangeUnit) -> list[EncodedItem]:
+    def range_task(u: RangeUnit) -> Iterator[EncodedItem]:
         item = scan(u.name, Region.range(u.start, u.stop), base.flat(u.name, u.start, u.stop),
                     new.flat(u.name, u.start, u.stop), u.op, None)  # fmt: skip
         if progress:
             progress((u.stop - u.start) * u.itemsize)
-        return [item] if item is not None else []
+        if item is not None:
+            yield item
 
-    def chunk_task(u: ChunkUnit) -> list[EncodedItem]:
+    def tensor_task(name: str, ranges: list[RangeUnit]) -> Iterator[EncodedItem]:
+        """A tensor's digests and ranges in one pass: each tile is hashed right after it is scanned."""
+        hashers = [
+            (blake3.blake3(max_threads=1), side, digests)  # one thread per hasher: the workers use the cores
+            for side, digests in ((base, b_digests), (new, n_digests))
+            if name not in digests
+        ]
+        # With several workers the scans wait on memory: a helper thread hashes each tile from the
+        # last-level cache while the scan reads the next one. One worker is one thread.
+        feeder = _TileFeeder(pipelined=workers > 1 and bool(hashers))
+        tile = TILE_BYTES * (4 if feeder.pipelined else 1)
+        try:
+            for u in ranges:
+                b, n = base.flat(u.name, u.start, u.stop), new.flat(u.name, u.start, u.stop)
+                views = [(h, (b if side is base else n).view(np.uint8)) for h, side, _ in hashers]
+                width = u.itemsize
+
+                def hash_tile(lo: int, hi: int, views: list[tuple[Any, Any]] = views, width: int = width) -> None:
+                    for h, raw in views:
+                        feeder.feed(h, raw[lo * width : hi * width])
+
+                positions, masks, news = scan_changes(
+                    b, n, tile=tile // width, after=hash_tile if hashers else None
+                )  # fmt: skip
+                item = encode_changes(
+                    u.name, Region.range(u.start, u.stop), positions, masks, news, len(n), _const(b, n), op=u.op,
+                    level=level,
+                )  # fmt: skip
+                del positions, masks, news, views
+                if progress:
+                    progress((u.stop - u.start) * u.itemsize)
+                if item is not None:
+                    yield item
+        finally:
+            feeder.close()
+        for h, _, digests in hashers:
+            digests[name] = h.hexdigest()
+        for side in (base, new):
+            release = getattr(side, "release_tensor", None)
+            if release is not None:
+                release(name)
+
+    def chunk_task(u: ChunkUnit) -> Iterator[EncodedItem]:
         barr, narr = base.read_chunk(u.key, u.chunk), new.read_chunk(u.key, u.chunk)
-        items = []
         for band in u.bands:
             item = scan(band.name, Region.box(band.offsets, band.sizes), band_of(barr, band), band_of(narr, band),
                         band.op, None)  # fmt: skip
             if item is not None:
-                items.append(item)
+                yield item
         del barr, narr
         base.release(u.key, u.chunk)
         new.release(u.key, u.chunk)
         if progress:
             progress(u.chunk.numel * u.itemsize)
-        return items
 
-    def digest_task(u: DigestUnit) -> list[EncodedItem]:
+    def digest_task(u: DigestUnit) -> Iterator[EncodedItem]:
         for side, digests in ((base, b_digests), (new, n_digests)):
             if u.name not in digests:
                 digests[u.name] = side.canonical_digest(u.name)
-        return []
+        return iter(())
 
-    def residual_task(u: ResidualUnit) -> list[EncodedItem]:
-        # Value-changing conversion: assemble (bounded by this tensor), convert, diff as flat ranges.
-        old, cur = base.converted(u.name), new.converted(u.name)
-        b_digests[u.name], n_digests[u.name] = digest_bytes(old), digest_bytes(cur)
-        items = []
-        for start, stop in chunk_ranges(len(cur), u.itemsize):
-            item = scan(u.name, Region.range(start, stop), old[start:stop], cur[start:stop], u.op, u.residual)
-            if item is not None:
-                items.append(item)
-        return items
+    def residual_task(units: list[ResidualUnit]) -> Iterator[EncodedItem]:
+        # Value-changing conversion, band by band of source rows (one conversion for every tensor of
+        # ``units``: an fp8 weight and its scale), cut into each tensor's flat ranges as if whole.
+        names = [u.name for u in units]
+        streams = [_ResidualStream(u.name, u.op, u.residual, u.itemsize, numel(layout[u.name][1]), scan) for u in units]
+        later: list[list[EncodedItem]] = [[] for _ in units[1:]]
+        for olds, curs in zip(base.converted_bands(names), new.converted_bands(names), strict=True):
+            for i, (stream, old, cur) in enumerate(zip(streams, olds, curs, strict=True)):
+                for item in stream.feed(old, cur):
+                    if i == 0:
+                        yield item
+                    else:  # items stay in plan order: the first tensor's, then the next one's
+                        later[i - 1].append(item)
+            del olds, curs
+        for u, stream in zip(units, streams, strict=True):
+            b_digests[u.name], n_digests[u.name] = stream.hexdigests()
+        for items in later:
+            yield from items
 
-    def tied_task(u: TiedUnit) -> list[EncodedItem]:
+    def tied_task(u: TiedUnit) -> Iterator[EncodedItem]:
         base.check_tied(u.key, u.name)
         new.check_tied(u.key, u.name)
-        return []
+        return iter(())
 
-    runners: dict[type, Callable[[Any], list[EncodedItem]]] = {
-        RangeUnit: range_task,
-        ChunkUnit: chunk_task,
-        DigestUnit: digest_task,
-        ResidualUnit: residual_task,
-        TiedUnit: tied_task,
-    }
+    def residual_cost(units: list[ResidualUnit]) -> int:
+        # Per side: a source band, its float32 temporaries (fp8: ~13 bytes per element), one range
+        # buffer per tensor; and the scan of one range.
+        return 2 * (RESIDUAL_BAND_BYTES * 8 + CHUNK_BYTES * len(units)) + _scan_cost(CHUNK_BYTES)
 
-    def tasks() -> Iterator[Callable[[], list[EncodedItem]]]:
-        for unit in plan.units:
-            yield _bind(runners[type(unit)], unit)
+    def tasks() -> Iterator[tuple[int, Callable[[], Iterable[EncodedItem]]]]:
+        units = plan.units
+        # A tensor larger than a worker's share is hashed apart, by BLAKE3's own threads.
+        share = plan.total_bytes // max(1, workers)
+        i = 0
+        while i < len(units):
+            u = units[i]
+            if isinstance(u, DigestUnit) and fused:
+                j = i + 1
+                while j < len(units) and isinstance(units[j], RangeUnit) and units[j].name == u.name:  # type: ignore[union-attr]
+                    j += 1
+                ranges = [r for r in units[i + 1 : j] if isinstance(r, RangeUnit)]
+                nbytes = sum((r.stop - r.start) * r.itemsize for r in ranges)
+                if workers == 1 or nbytes <= share:
+                    yield _scan_cost(CHUNK_BYTES), _bind2(tensor_task, u.name, ranges)
+                    i = j
+                    continue
+            if isinstance(u, RangeUnit):
+                yield _scan_cost((u.stop - u.start) * u.itemsize), _bind(range_task, u)
+            elif isinstance(u, ChunkUnit):
+                nbytes = u.chunk.numel * u.itemsize
+                yield 2 * nbytes + _scan_cost(min(nbytes, CHUNK_BYTES)), _bind(chunk_task, u)
+            elif isinstance(u, DigestUnit):
+                yield 4 * BAND_BYTES, _bind(digest_task, u)
+            elif isinstance(u, ResidualUnit):
+                group = [u]
+                while (
+                    i + 1 < len(units)
+                    and isinstance(units[i + 1], ResidualUnit)
+                    and base.shares_source(u.name, units[i + 1].name)  # type: ignore[union-attr]
+                    and new.shares_source(u.name, units[i + 1].name)  # type: ignore[union-attr]
+                ):
+                    i += 1
+                    group.append(units[i])  # type: ignore[arg-type]
+                yield residual_cost(group), _bind(residual_task, group)
+            elif isinstance(u, TiedUnit):
+                yield 4 * BAND_BYTES, _bind(tied_task, u)
+            else:
+                raise TypeError(f"unknown plan unit {u!r}")
+            i += 1
 
     if plan.rank is not None:
         from ..delta.parts import part_dir
@@ -197,9 +415,8 @@ def execute(
     else:
         writer = DeltaWriter(out, on_block=on_block)
     try:
-        for items in ordered_parallel(tasks(), workers):
-            for item in items:
-                writer.add(item)
+        for item in ordered_stream(tasks(), workers, budget=budget, size=_item_bytes):
+            writer.add(item)
         if plan.rank is not None:
             from ..delta.parts import finish_part
 
@@ -233,8 +450,18 @@ def execute(
     return summarize(Path(out), manifest)
 
 
-def _bind(run: Callable[[Unit], list[EncodedItem]], unit: Unit) -> Callable[[], list[EncodedItem]]:
+def _bind(run: Callable[[Any], Iterable[EncodedItem]], unit: Any) -> Callable[[], Iterable[EncodedItem]]:
     return lambda: run(unit)
+
+
+def _const(b: np.ndarray, n: np.ndarray) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    return lambda: (b, n)
+
+
+def _bind2(
+    run: Callable[[str, list[RangeUnit]], Iterable[EncodedItem]], name: str, ranges: list[RangeUnit]
+) -> Callable[[], Iterable[EncodedItem]]:
+    return lambda: run(name, ranges)
 
 
 def open_pair(
