@@ -7,6 +7,7 @@ something that looks like a delta.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -108,11 +109,13 @@ class DeltaWriter:
     def add(self, item: EncodedItem) -> None:
         with self._lock:
             index = len(self._items)
-            self._items.append(item)
             self._sections.append({})
             self._packers["data"].add(index, "data", item.data)
             if item.repair is not None:
                 self._packers["repair"].add(index, "repair", item.repair)
+            # Keep the fields only: the section bytes now live in the packers' blocks, and holding
+            # them until finish() would make the writer's memory grow with the delta.
+            self._items.append(dataclasses.replace(item, data=b"", repair=None))
 
     def placed_items(self) -> list[Item]:
         """Flush pending blocks and return the items with their sections placed (call under the lock)."""
