@@ -27,6 +27,7 @@ from conftest import require_or_skip
 from safetensors.numpy import save_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
 # Dummy credentials for the local endpoint. Tests assert that they never appear in any output.
 FAKE_KEY_ID = "AKIADCRTESTKEYID0000"
 FAKE_SECRET = "dcr-test-secret-never-printed-0123456789"
@@ -134,6 +135,11 @@ def gcs_endpoint() -> Iterator[GCSEndpoint]:
 
     server = FakeGCSServer(port=free_port())
     server.start()
+    # The wrapper pipes the server's log (one line per request) into stderr and never reads it: after
+    # ~380 requests the pipe is full and the server stops answering. Drain it.
+    log = server._process.stderr if server._process is not None else None
+    if log is not None:
+        threading.Thread(target=lambda: all(iter(lambda: log.read(1 << 16), b"")), daemon=True).start()
     # start() also exports STORAGE_EMULATOR_HOST; the tests pass the endpoint explicitly, so that no
     # other test's GCS client is silently redirected.
     os.environ.pop("STORAGE_EMULATOR_HOST", None)

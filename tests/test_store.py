@@ -535,3 +535,60 @@ def test_gc_running_longer_than_its_grace_period_keeps_what_a_push_published_mea
     live_blocks = {b.id for b in Delta.open(ds[1]).manifest.blocks} | v3_blocks
     assert result.removed_blocks == 0 and result.kept_blocks == len(live_blocks)  # v1's own blocks are v3's
     assert check(url, read_data=True).ok
+
+
+def test_a_push_asks_only_about_its_own_blocks(
+    tmp_path: Path, deltas: tuple[list[Path], list[Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every push listed all of blocks/ two or three times: its cost grew with the store."""
+    from dcr_cli.store import repo
+    from dcr_cli.store.streaming import BlockUploader
+
+    _, (d1, *_) = deltas
+    url = str(tmp_path / "store")
+    store = Store(url)
+    for i in range(50):  # other versions' blocks
+        store.put(f"blocks/{i:064x}", b"x")
+    listed: list[str] = []
+    asked: list[str] = []
+    listing, stat = repo.Store.list, repo.Store.stat
+
+    def counting_list(self: repo.Store, rel_dir: str) -> list[repo.Listing]:
+        listed.append(rel_dir)
+        return listing(self, rel_dir)
+
+    def counting_stat(self: repo.Store, rel: str) -> repo.Listing | None:
+        asked.append(rel)
+        return stat(self, rel)
+
+    monkeypatch.setattr(repo.Store, "list", counting_list)
+    monkeypatch.setattr(repo.Store, "stat", counting_stat)
+    result = push(d1, url)
+    blocks = {b.id for b in Delta.open(d1).manifest.blocks}
+    assert "blocks" not in listed and result.uploaded_blocks == len(blocks)
+    assert sorted(asked) == sorted(f"blocks/{b}" for b in blocks for _ in range(2))  # before and after upload
+    asked.clear()
+    uploader = BlockUploader(url)  # dcr diff --push: every block already there is asked about, once
+    written = Delta.open(d1).manifest.blocks
+    for block in written:
+        uploader(block.id, (d1 / "blocks" / block.id).read_bytes())
+    uploader.wait()
+    assert "blocks" not in listed and uploader.uploaded_blocks == 0 and len(asked) == len(written)
+
+
+def test_store_modules_are_not_shadowed_by_api_names() -> None:
+    """`import dcr_cli.store.gc` yielded a function: no name the package exports is one of its modules."""
+    import importlib
+    import pkgutil
+    import types
+
+    import dcr_cli
+    import dcr_cli.store as package
+
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__)}
+    assert {"backends", "repo", "transfer", "ledger", "collect", "audit"} <= modules
+    assert not modules & set(package.__all__)
+    for name in modules:
+        assert isinstance(importlib.import_module(f"dcr_cli.store.{name}"), types.ModuleType)
+    for name in ("push", "pull", "pull_since", "commit", "acknowledge", "status", "log", "gc", "check", "open_delta"):
+        assert callable(getattr(dcr_cli, name)) and getattr(dcr_cli, name) is getattr(package, name)

@@ -60,6 +60,15 @@ class Backend:
         """Bytes ``start:end`` of an object (all of it by default); FileNotFoundError if it is absent."""
         return bytes(self.fs.cat_file(path, start=start, end=end))
 
+    def info(self, path: str) -> dict[str, Any] | None:
+        """The object's listing entry (size, times), asked afresh; None if there is no object of that name."""
+        self.fs.invalidate_cache(path)
+        try:
+            entry = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        return None if entry.get("type") == "directory" else dict(entry)
+
     def put(self, path: str, data: bytes) -> None:
         """Readers see the previous state or all of ``data``, never a part."""
         self.fs.pipe_file(path, data)  # one PUT: object stores make it visible only when complete

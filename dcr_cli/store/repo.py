@@ -294,40 +294,22 @@ class Store:
 
     def size(self, rel: str) -> int | None:
         """The object's size asked afresh, None if it is absent."""
-
-        def run() -> int | None:
-            self.fs.invalidate_cache(self.path(rel))
-            try:
-                info = self.fs.info(self.path(rel))
-            except FileNotFoundError:
-                return None
-            if info.get("type") == "directory":
-                return None
-            return int(info.get("size") or 0)
-
-        return self.call(run, f"check {rel}")
+        entry = self.stat(rel)
+        return None if entry is None else entry.size
 
     def stat(self, rel: str) -> Listing | None:
         """Size and modification time of one object, asked afresh; None if it is absent."""
 
         def run() -> Listing | None:
-            self.fs.invalidate_cache(self.path(rel))
-            try:
-                info = self.fs.info(self.path(rel))
-            except FileNotFoundError:
-                return None
-            if info.get("type") == "directory":
+            info = self.backend.info(self.path(rel))
+            if info is None:
                 return None
             return Listing(rel.rsplit("/", 1)[-1], int(info.get("size") or 0), self.backend.mtime(info))
 
         return self.call(run, f"check {rel}")
 
     def exists(self, rel: str) -> bool:
-        def run() -> bool:
-            self.fs.invalidate_cache(self.path(rel))
-            return bool(self.fs.exists(self.path(rel)))
-
-        return self.call(run, f"check {rel}")
+        return self.stat(rel) is not None
 
     def list(self, rel_dir: str) -> builtins.list[Listing]:
         """Objects directly under a store directory (names only, no subdirectories); [] if it is absent."""
