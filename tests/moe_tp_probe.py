@@ -63,10 +63,10 @@ def _install_crash(worker: Any, at_item: int) -> None:
     real_write = engine_apply._write_elements
     seen = {"items": 0}
 
-    def apply_item(receiver: Any, delta: Any, item: Any, placement: Any) -> Any:
+    def apply_item(receiver: Any, delta: Any, item: Any, placement: Any, *args: Any, **kwargs: Any) -> Any:
         seen["items"] += 1
         if seen["items"] < at_item:
-            return real_item(receiver, delta, item, placement)
+            return real_item(receiver, delta, item, placement, *args, **kwargs)
 
         def half_write(flat: Any, index: Any, values: Any) -> None:
             keep = max(1, len(index) // 2)
@@ -75,7 +75,7 @@ def _install_crash(worker: Any, at_item: int) -> None:
 
         engine_apply._write_elements = half_write
         try:
-            real_item(receiver, delta, item, placement)
+            real_item(receiver, delta, item, placement, *args, **kwargs)
         finally:
             engine_apply._write_elements = real_write
         raise RuntimeError("transfer killed")  # a rank that held none of this item fails here too

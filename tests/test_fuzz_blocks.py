@@ -38,13 +38,19 @@ def _tear(recv: Path, w: fz.World, delta: Path) -> None:
     loc.file.write_bytes(bytes(raw))
     manifest = (delta / "manifest.json").read_bytes()
     m = json.loads(manifest)
+    # The identity of the files being written (§2: size, mtime_ns, ctime_ns, inode), as dcr records it
+    # before its first write: without it a resume cannot trust the state and must re-hash.
+    files = {}
+    for f in sorted(recv.glob("*.safetensors")):
+        st = f.stat()
+        files[f.name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     state = {
         "format": "dcr.receiver-state",
         "format_version": 1,
         "version": None,
         "fingerprint": None,
         "applying": {"delta_id": digest_bytes(manifest), "base": m["base"], "target": m["target"], "url": str(delta)},
-        "files": {},
+        "files": files,
         "history": [],
     }
     (recv / ".dcr").mkdir(exist_ok=True)
