@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .delta.reader import Delta
+from .delta.reader import Delta, DeltaLike
 from .delta.summary import DiffSummary
 from .errors import DcrError
 from .produce.live import Producer as LiveProducer
@@ -24,8 +24,6 @@ from .receive.checkpoint import ApplyResult, expand_deltas
 from .receive.checkpoint import apply as apply_checkpoint
 from .receive.verify import VerifyReport
 from .receive.verify import verify as verify_checkpoint
-
-DeltaLike = str | os.PathLike[str] | Delta
 
 
 def resolve(

@@ -90,24 +90,25 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False))
 
 
+Counter = Callable[[int], None]  # called with a byte count
+
+
 @contextmanager
-def byte_progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
-    """A rich progress bar on stderr when it is a terminal; nothing otherwise (cron, pipes)."""
+def sized_progress(
+    label: str, enabled: bool
+) -> Iterator[tuple[Callable[[int], None] | None, Callable[[int], None] | None]]:
+    """(set the total, advance) of a rich progress bar on stderr when it is a terminal; (None, None)
+    otherwise (cron, pipes). The API call being shown says its size itself once it knows it."""
     if not enabled or not sys.stderr.isatty():
-        yield None
+        yield None, None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     with Progress(
-        TextColumn(label),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        transient=True,
+        TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), transient=True
     ) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
+        task = bar.add_task(label, total=None)
+        yield (lambda n: bar.update(task, total=n)), (lambda n: bar.advance(task, n))
 
 
 def human_bytes(n: float) -> str:

@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from ..checkpoints import FORMATS as FORMAT_CHOICES
-from .common import emit_json, handle_errors, human_bytes
+from .common import emit_json, handle_errors, human_bytes, sized_progress
 from .store_options import parse_storage_options, storage_options
 
 Counter = Callable[[int], None]
-
-
-@contextmanager
-def _progress_bar(
-    label: str, enabled: bool
-) -> Iterator[tuple[Callable[[int], None] | None, Callable[[int], None] | None]]:
-    """(set the total, advance) of a progress bar on a terminal; (None, None) otherwise (cron, pipes)."""
-    if not enabled or not sys.stderr.isatty():
-        yield None, None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    with Progress(
-        TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), transient=True
-    ) as bar:
-        task = bar.add_task(label, total=None)
-        yield (lambda n: bar.update(task, total=n)), (lambda n: bar.advance(task, n))
 
 
 def _env_int(name: str) -> int | None:
@@ -142,7 +123,7 @@ def command(
         config = load_profile(profile)
     elif include or strip_prefix:
         config = {"include": list(include), "strip_prefix": strip_prefix or ""}
-    with _progress_bar("diff", progress) as (set_total, advance):
+    with sized_progress("diff", progress) as (set_total, advance):
         summary = diff(
             base,
             new,

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from .common import emit_json, handle_errors, human_bytes
-from .store_options import parse_rate, parse_storage_options, sized_progress, storage_options
+from .common import emit_json, handle_errors, human_bytes, sized_progress
+from .store_options import parse_rate, parse_storage_options, storage_options
 
 
 @click.command("pull")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -73,25 +71,3 @@ def parse_duration(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise DcrError(f"{text!r} is not a duration: use e.g. 0, 90s, 30m, 1h")
     return value
-
-
-@contextlib.contextmanager
-def sized_progress(
-    label: str, enabled: bool
-) -> Iterator[tuple[Callable[[int], None] | None, Callable[[int], None] | None]]:
-    """(on_total, advance) for an API call that says its size itself; (None, None) off a terminal."""
-    if not enabled or not sys.stderr.isatty():
-        yield None, None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    with Progress(
-        TextColumn(label),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        transient=True,
-    ) as bar:
-        task = bar.add_task(label, total=None)
-        yield (lambda n: bar.update(task, total=n)), (lambda n: bar.advance(task, n))

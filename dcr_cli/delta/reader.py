@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -196,3 +197,33 @@ def _read_manifest(source: BlockSource, path: str) -> bytes:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise FormatError(f"{path}: manifest over the {MAX_MANIFEST_BYTES} byte limit")
     return raw
+
+
+DeltaLike = str | os.PathLike[str] | Delta
+
+
+def open_deltas(
+    deltas: DeltaLike | Sequence[DeltaLike],
+    *,
+    order_directory: Callable[[list[Delta], str], list[Delta]] | None = None,
+) -> list[Delta]:
+    """Open deltas given as paths/URLs or Delta objects, in the order given; a local directory of
+    deltas stands for its children (name order, or ``order_directory(children, path)``)."""
+    if isinstance(deltas, (str, os.PathLike, Delta)):
+        deltas = [deltas]
+    opened: list[Delta] = []
+    for d in deltas:
+        if isinstance(d, Delta):
+            opened.append(d)
+            continue
+        path = Path(os.fspath(d))
+        if "://" not in os.fspath(d) and path.is_dir() and not (path / MANIFEST_NAME).exists():
+            children = [Delta.open(p) for p in sorted(path.iterdir()) if (p / MANIFEST_NAME).is_file()]
+            if not children:
+                raise FormatError(f"{path} is neither a dcr delta nor a directory of deltas")
+            opened.extend(order_directory(children, str(path)) if order_directory else children)
+        else:
+            opened.append(Delta.open(d))
+    if not opened:
+        raise FormatError("no delta given")
+    return opened

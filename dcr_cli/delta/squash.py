@@ -60,17 +60,16 @@ from ..errors import FormatError, IncompatibleError, IntegrityError
 from ..format.codec import DEFAULT_LEVEL, DENSE_TRIAL_RATE, EncodedItem, encode_positions, encode_values
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
-from ..format.manifest import MANIFEST_NAME, MAX_REGION_ELEMENTS, Item, Op, Region, TensorEntry, _any_boxes_overlap
+from ..format.manifest import MAX_REGION_ELEMENTS, Item, Op, Region, TensorEntry, _any_boxes_overlap
 from ..format.manifest import fingerprint as table_fingerprint
 from ..io.pool import default_workers, ordered_parallel
-from .reader import Delta
+from .reader import Delta, DeltaLike, open_deltas
 from .summary import DiffSummary, summarize
 from .writer import DeltaWriter
 
 # Output flat ranges cover at most this many bytes of a tensor (as dcr diff's chunks).
 CHUNK_BYTES = 16 << 20
 
-DeltaLike = str | os.PathLike[str] | Delta
 # base_values(tensor, canonical flat indices) -> the first base's stored values there (dt.uint)
 BaseValues = Callable[[str, np.ndarray], np.ndarray]
 Dense = tuple[np.ndarray, np.ndarray] | None
@@ -101,24 +100,7 @@ class _Group:
 
 def open_chain(deltas: DeltaLike | Sequence[DeltaLike]) -> list[Delta]:
     """Open the deltas in the order given; a local directory of deltas stands for its children in chain order."""
-    if isinstance(deltas, (str, os.PathLike, Delta)):
-        deltas = [deltas]
-    opened: list[Delta] = []
-    for d in deltas:
-        if isinstance(d, Delta):
-            opened.append(d)
-            continue
-        path = Path(os.fspath(d))
-        if "://" not in os.fspath(d) and path.is_dir() and not (path / MANIFEST_NAME).exists():
-            children = [Delta.open(p) for p in sorted(path.iterdir()) if (p / MANIFEST_NAME).is_file()]
-            if not children:
-                raise FormatError(f"{path} is neither a dcr delta nor a directory of deltas")
-            opened.extend(_link(children, str(path)))
-        else:
-            opened.append(Delta.open(d))
-    if not opened:
-        raise FormatError("no delta given")
-    return opened
+    return open_deltas(deltas, order_directory=_link)
 
 
 def _link(deltas: list[Delta], where: str) -> list[Delta]:

@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from ...checkpoints.safetensors_dir import SafetensorsCheckpoint, TensorLocation
-from ...delta.reader import Delta
-from ...errors import FormatError, IncompatibleError, IntegrityError, VerifyFailed
+from ...delta.reader import Delta, DeltaLike, open_deltas
+from ...errors import IncompatibleError, IntegrityError, VerifyFailed
 from ...format.digest import digest_bytes
-from ...format.manifest import MANIFEST_NAME, Item, TensorEntry, fingerprint
+from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .inplace import InPlaceFiles, Run, digest_tensors, runs_of
@@ -49,8 +49,6 @@ from .state import (
     write_recorded_table,
     write_state,
 )
-
-DeltaLike = str | os.PathLike[str] | Delta
 
 # Memory the first pass may keep (new values and indices of items) for the write pass; items
 # beyond it are read, verified and decoded again when they are written.
@@ -117,27 +115,11 @@ class ApplyResult:
 
 
 def expand_deltas(deltas: DeltaLike | Sequence[DeltaLike]) -> list[Delta]:
-    """Open deltas given as paths/URLs or Delta objects; a local directory of deltas expands to its children."""
-    if isinstance(deltas, (str, os.PathLike, Delta)):
-        deltas = [deltas]
-    opened: list[Delta] = []
-    for d in deltas:
-        if isinstance(d, Delta):
-            opened.append(d)
-            continue
-        path = Path(os.fspath(d))
-        if "://" not in os.fspath(d) and path.is_dir() and not (path / MANIFEST_NAME).exists():
-            children = sorted(p for p in path.iterdir() if (p / MANIFEST_NAME).is_file())
-            if not children:
-                raise FormatError(f"{path} is neither a dcr delta nor a directory of deltas")
-            opened.extend(Delta.open(p) for p in children)
-        else:
-            opened.append(Delta.open(d))
+    """Open deltas given as paths/URLs or Delta objects (a local directory of deltas expands to its
+    children); a delta given twice counts once."""
     unique: dict[str, Delta] = {}
-    for d in opened:
+    for d in open_deltas(deltas):
         unique.setdefault(d.id, d)
-    if not unique:
-        raise FormatError("no delta given")
     return list(unique.values())
 
 
