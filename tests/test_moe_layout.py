@@ -94,8 +94,14 @@ def test_vllms_kernel_format_conversion_agrees_with_the_table(backend):
 def test_cpu_prepack_is_recorded_as_rewritten():
     from vllm._custom_ops import cpu_prepack_moe_weight
 
+    held = []
+
     def prepack(model):
         layer = model.experts
+        # Keep the loaded tensors alive, as the engine's loader does until loading ends: otherwise the
+        # allocator may hand their freed memory to the next prepacked tensor, and whether the two then
+        # share an address would vary from run to run.
+        held.extend([layer.w13_weight, layer.w2_weight])
         replace_parameter(layer, "w13_weight", cpu_prepack_moe_weight(layer.w13_weight, "vec"))
         replace_parameter(layer, "w2_weight", cpu_prepack_moe_weight(layer.w2_weight, "vec"))
 
