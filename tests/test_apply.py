@@ -24,6 +24,7 @@ from helpers_checkpoints import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from manifest_text import manifest_v1
 
 import dcr_cli
 from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
@@ -266,7 +267,7 @@ def test_tampered_block_is_refused(two_versions: tuple[Path, Path, Path]) -> Non
 
 def test_truncated_block_is_refused(two_versions: tuple[Path, Path, Path]) -> None:
     recv, delta, _ = two_versions
-    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest = manifest_v1(delta)
     data_block = next(b["id"] for b in manifest["blocks"] if b["role"] == "data")
     path = delta / "blocks" / data_block
     path.write_bytes(path.read_bytes()[:-5])
@@ -275,7 +276,7 @@ def test_truncated_block_is_refused(two_versions: tuple[Path, Path, Path]) -> No
 
 def test_tampered_manifest_table_is_refused(two_versions: tuple[Path, Path, Path]) -> None:
     recv, delta, _ = two_versions
-    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest = manifest_v1(delta)
     manifest["tensors"]["embed"]["digest"] = "0" * 64
     (delta / "manifest.json").write_text(json.dumps(manifest))
     expect_refusal(recv, "apply", delta, "--into", recv, words="target fingerprint")
@@ -283,7 +284,7 @@ def test_tampered_manifest_table_is_refused(two_versions: tuple[Path, Path, Path
 
 def test_unknown_major_version_is_refused(two_versions: tuple[Path, Path, Path]) -> None:
     recv, delta, _ = two_versions
-    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest = manifest_v1(delta)
     manifest["format_version"] = [2, 0]
     (delta / "manifest.json").write_text(json.dumps(manifest))
     expect_refusal(recv, "apply", delta, "--into", recv, words="major version 2")
@@ -507,7 +508,7 @@ def test_torn_xor_item_without_repair_block_is_refused_clearly(
         dcr_cli.apply(delta, into=recv, workers=1)
     monkeypatch.undo()
     corrupt_items(recv, delta, np.random.default_rng(2), every=1)
-    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest = manifest_v1(delta)
     repair_blocks = [b["id"] for b in manifest["blocks"] if b["role"] == "repair"]
     stash = recv.parent / "stash"
     stash.mkdir()

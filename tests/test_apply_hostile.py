@@ -27,6 +27,7 @@ import pytest
 import zstandard
 from click.testing import CliRunner
 from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, read_raw, snapshot, write_checkpoint
+from manifest_text import manifest_v1
 
 import dcr_cli
 from dcr_cli.cli import main
@@ -75,7 +76,7 @@ def forged(delta: Path, out: Path, edit: Callable[[dict, Path], None]) -> Path:
     (out / "blocks").mkdir(parents=True)
     for block in (delta / "blocks").iterdir():
         (out / "blocks" / block.name).write_bytes(block.read_bytes())
-    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest = manifest_v1(delta, rewrite=False)
     edit(manifest, out)
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
@@ -213,7 +214,7 @@ def _split_first_item_then(edit: Callable[[dict, Path], None]) -> Callable[[dict
 
 def test_duplicated_items_key_is_refused_and_never_recorded(versions: tuple[Path, Path, Path], tmp_path: Path) -> None:
     recv, delta, v1 = versions
-    m = json.loads((delta / "manifest.json").read_text())
+    m = manifest_v1(delta, rewrite=False)
     fewer = [it for it in m["items"] if it["tensor"] != "d"]
     raw = json.dumps(m)
     assert raw.endswith("]}")
@@ -249,7 +250,7 @@ def _shift(m: dict, _: Path) -> None:
 def test_region_shifted_by_one_is_refused_before_any_write(versions: tuple[Path, Path, Path], tmp_path: Path) -> None:
     recv, delta, v1 = versions
     d = Delta.open(delta)
-    k = last_item_of(json.loads((delta / "manifest.json").read_text()), "c")
+    k = last_item_of(manifest_v1(delta, rewrite=False), "c")
     positions = d.decode(d.manifest.items[k]).positions
     assert positions is not None
     if positions[-1] >= 299:
@@ -269,7 +270,7 @@ def test_region_shifted_by_one_while_resuming_is_never_recorded(
     """
     recv, delta, _ = versions
     d = Delta.open(delta)
-    k = last_item_of(json.loads((delta / "manifest.json").read_text()), "c")
+    k = last_item_of(manifest_v1(delta, rewrite=False), "c")
     positions = d.decode(d.manifest.items[k]).positions
     assert positions is not None
     if positions[-1] >= 299:

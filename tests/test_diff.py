@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import apply_in_memory, read_bits, tensor_from_bits, write_checkpoint
+from manifest_text import manifest_v1
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IntegrityError
@@ -160,7 +161,7 @@ def test_missing_delta(tmp_path: Path, dcr):
 
 
 def test_unknown_major_version_is_refused(delta: Path, dcr):
-    obj = json.loads((delta / MANIFEST_NAME).read_text())
+    obj = manifest_v1(delta)
     obj["format_version"] = [2, 0]
     (delta / MANIFEST_NAME).write_text(json.dumps(obj))
     proc = dcr("inspect", str(delta))
@@ -169,7 +170,7 @@ def test_unknown_major_version_is_refused(delta: Path, dcr):
 
 
 def test_unknown_optional_fields_are_ignored(delta: Path, dcr):
-    obj = json.loads((delta / MANIFEST_NAME).read_text())
+    obj = manifest_v1(delta)
     obj["format_version"] = [1, 7]
     obj["future_field"] = {"x": 1}
     obj["items"][0]["future_item_field"] = [1, 2]
@@ -179,14 +180,14 @@ def test_unknown_optional_fields_are_ignored(delta: Path, dcr):
 
 
 def test_unknown_op_is_refused(delta: Path, dcr):
-    obj = json.loads((delta / MANIFEST_NAME).read_text())
+    obj = manifest_v1(delta)
     obj["items"][0]["op"] = "add"
     (delta / MANIFEST_NAME).write_text(json.dumps(obj))
     _assert_one_line_error(dcr("inspect", str(delta)))
 
 
 def test_overlapping_items_are_refused(delta: Path, dcr):
-    obj = json.loads((delta / MANIFEST_NAME).read_text())
+    obj = manifest_v1(delta)
     obj["items"].append(obj["items"][0])
     (delta / MANIFEST_NAME).write_text(json.dumps(obj))
     proc = dcr("inspect", str(delta))
@@ -214,7 +215,7 @@ def test_damaged_block_is_detected(delta: Path, damage: str):
 
 
 def test_tampered_section_digest_is_detected(delta: Path):
-    obj = json.loads((delta / MANIFEST_NAME).read_text())
+    obj = manifest_v1(delta)
     obj["items"][0]["data"]["digest"] = "0" * 64
     (delta / MANIFEST_NAME).write_text(json.dumps(obj))
     d = Delta.open(delta)

@@ -17,7 +17,10 @@ import pytest
 import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
+from manifest_text import manifest_v1
 from test_fuzz_manifest import FRAME_ATTACKS, SETTINGS, _frame, _hostile_values
+
+from dcr_cli.format.manifest import manifest_json
 
 UNSIGNED = ("flip", "truncate", "extend", "delete", "delete-repair")
 SIGNED = (*FRAME_ATTACKS, "re-encoded", "value-flip", "positions-moved")
@@ -37,7 +40,7 @@ def _tear(recv: Path, w: fz.World, delta: Path) -> None:
     raw[loc.start + 2 : loc.start + 4] = new[2:4]  # element 1 changes from v0 to v1
     loc.file.write_bytes(bytes(raw))
     manifest = (delta / "manifest.json").read_bytes()
-    m = json.loads(manifest)
+    m = json.loads(manifest_json(manifest))
     # The identity of the files being written (§2: size, mtime_ns, ctime_ns, inode), as dcr records it
     # before its first write: without it a resume cannot trust the state and must re-hash.
     files = {}
@@ -115,7 +118,7 @@ def test_damaged_blocks(kind: str, item: int, key: str, seed: int, torn: bool, w
     w = fz.world()
     with fz.scratch() as tmp:
         delta = fz.copy_delta(w.deltas[0], tmp / "d")
-        m = json.loads((delta / "manifest.json").read_text())
+        m = manifest_v1(delta)
         role = "data"
         if kind in UNSIGNED:
             role = _unsigned(kind, delta, m, seed)
@@ -142,7 +145,7 @@ def test_missing_repair_blocks(torn: bool) -> None:
     w = fz.world()
     with fz.scratch() as tmp:
         delta = fz.copy_delta(w.deltas[0], tmp / "d")
-        m = json.loads((delta / "manifest.json").read_text())
+        m = manifest_v1(delta)
         for b in m["blocks"]:
             if b["role"] == "repair":
                 (delta / "blocks" / b["id"]).unlink()
@@ -163,7 +166,7 @@ def test_positions_moved_by_one_are_not_applied_at_the_wrong_place() -> None:
         w = fz.world()
         with fz.scratch() as tmp:
             delta = fz.copy_delta(w.deltas[0], tmp / "d")
-            m = json.loads((delta / "manifest.json").read_text())
+            m = manifest_v1(delta)
             _signed("positions-moved", delta, m, 0, "data", 0)
             fz.write_manifest(delta, m)
             recv = fz.copy_receiver(w.versions[0], tmp / "r")

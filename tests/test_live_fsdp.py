@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 from checkpoints import read_bits
+from manifest_text import manifest_text
 from shard_writers import TinyModel, spawn_ranks
 
 import dcr_cli
 from dcr_cli.delta.parts import assemble
-from dcr_cli.format.manifest import MANIFEST_NAME
 
 STEPS = 3
 
@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 
 
 def _manifest(delta: Path) -> dict:
-    m = json.loads((delta / MANIFEST_NAME).read_bytes())
+    m = json.loads(manifest_text(delta))
     m.pop("created")
     return m
 

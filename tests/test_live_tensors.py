@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import apply_in_memory, read_bits, write_checkpoint
+from manifest_text import manifest_text
 from test_diff import model_pair
 
 import dcr_cli
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def manifest_without_created(delta: Path) -> dict:
-    m = json.loads((delta / MANIFEST_NAME).read_bytes())
+    m = json.loads(manifest_text(delta))
     m.pop("created")
     return m
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import reference_decoder as ref
+from manifest_text import manifest_text
 
 VECTORS = Path(__file__).resolve().parents[1] / "format_spec" / "vectors"
 GOOD = sorted(p.name for p in VECTORS.iterdir() if p.is_dir() and p.name != "bad")
@@ -111,5 +112,5 @@ def test_decoder_agrees_with_dcr_on_fresh_deltas(tmp_path: Path) -> None:
     after = ref.apply(tmp_path / "d", model)
     want = read_bits(tmp_path / "b")
     assert {n: bytes.fromhex(t["hex"]) for n, t in after.items()} == want
-    ops = {it["op"] for it in json.loads((tmp_path / "d" / "manifest.json").read_text())["items"]}
+    ops = {it["op"] for it in json.loads(manifest_text(tmp_path / "d"))["items"]}
     assert ops >= {"xor", "replace"}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from manifest_text import manifest_v1
 
 from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.errors import FormatError
@@ -267,7 +268,7 @@ def test_changed_is_read_for_replace_items_only(tmp_path: Path) -> None:
     write_checkpoint(tmp_path / "a", {"w": ("BF16", (4096,), values)})
     write_checkpoint(tmp_path / "b", {"w": ("BF16", (4096,), changed)})
     diff(tmp_path / "a", tmp_path / "b", tmp_path / "d", workers=1)
-    obj = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    obj = manifest_v1(tmp_path / "d")
     assert obj["items"][0]["op"] == "xor"
     obj["items"][0]["changed"] = 0
     item = parse_manifest(json.dumps(obj).encode()).items[0]

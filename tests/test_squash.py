@@ -13,6 +13,7 @@ import pytest
 from helpers_checkpoints import Tensors, copy_checkpoint, read_raw, write_checkpoint
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from manifest_text import manifest_v1
 
 import dcr_cli
 from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
@@ -346,6 +347,7 @@ def test_corrupt_repair_values_are_caught(tmp_path: Path) -> None:
         deltas.append(tmp_path / f"d{k}")
         build_delta(deltas[-1], versions[k], versions[k + 1], ("a", "b"), {"t0": "whole"}, {"t0": "xor"})
     # Re-write the second delta's repair values as base values: a well-formed frame, wrong content.
+    manifest_v1(deltas[1])  # its manifest as 1.0 JSON, so that digests can be swapped in the text
     delta = Delta.open(deltas[1])
     (item,) = delta.manifest.items
     wrong = delta.repair_values(item) ^ delta.decode(item).values

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, write_checkpoint
+from manifest_text import manifest_v1
 
 import dcr_cli
 from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
@@ -134,7 +135,7 @@ def test_against_a_delta_whose_table_was_tampered_is_refused(applied: tuple[Path
     flip_bit(recv, "a")
     with SafetensorsCheckpoint(recv) as ckpt:
         wrong = digest_bytes(ckpt.view("a"))
-    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest = manifest_v1(delta)
     manifest["tensors"]["a"]["digest"] = wrong
     (delta / "manifest.json").write_text(json.dumps(manifest))
     code, _, err = run_cli("verify", recv, "--against", delta)

@@ -16,6 +16,7 @@ from conftest import require_or_skip
 
 require_or_skip("vllm")
 
+from manifest_text import manifest_text
 from vllm_support import differing, engine_env, ensure_plugin_entry_point, resident_bits, start_llm, train_run
 
 from dcr_cli.errors import IncompatibleError, IntegrityError
@@ -61,7 +62,7 @@ class Recording(InProcessEngine):
 
 def corrupt_data_block(delta: Path, out: Path) -> Path:
     shutil.copytree(delta, out)
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads(manifest_text(out))
     block = next(b for b in manifest["blocks"] if b["role"] == "data")
     path = out / "blocks" / block["id"]
     raw = bytearray(path.read_bytes())

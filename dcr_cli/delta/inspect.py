@@ -82,7 +82,7 @@ def inspect(delta: str | os.PathLike[str], *, changed_only: bool = False) -> Del
     return DeltaReport(
         delta=str(delta),
         delta_id=d.id,
-        format_version=f"1.{m.minor}",
+        format_version=m.format_version,
         base_version=m.base.version,
         target_version=m.target.version,
         base_fingerprint=m.base.fingerprint,

@@ -23,6 +23,7 @@ from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import (
     BLOCKS_DIR,
     MANIFEST_NAME,
+    READ_MAJORS,
     BlockEntry,
     Item,
     Manifest,
@@ -63,7 +64,8 @@ def finish_part(
         items = writer.placed_items()
         obj = {
             "format": PART_FORMAT,
-            "format_version": [1, 0],
+            "format_version": [1, 1],
+            "delta_major": writer.major,  # the sections' digests are those of this manifest major
             "rank": rank,
             "world_size": world_size,
             "base_version": base_version,
@@ -164,6 +166,8 @@ def _load_part(path: Path) -> dict[str, Any]:
             raise FormatError(f"{file}: blocks need a 64-hex id and an integer size")
         if b.get("role", "data") not in ("data", "repair"):
             raise FormatError(f"{file}: unknown block role {b.get('role')!r}")
+    if obj.get("delta_major", 1) not in READ_MAJORS or isinstance(obj.get("delta_major"), bool):
+        raise FormatError(f"{file}: delta_major {obj.get('delta_major')!r} unsupported; upgrade dcr")
     return obj
 
 
@@ -185,7 +189,7 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
     layout = objs[0]["tensors"]
     if any(o["tensors"] != layout for o in objs):
         raise FormatError(f"{out}: parts disagree on the canonical tensor table (different checkpoints?)")
-    for key in ("base_version", "target_version", "residual_tensors"):  # the manifest takes rank 0's
+    for key in ("base_version", "target_version", "residual_tensors", "delta_major"):  # the manifest takes rank 0's
         if any(o.get(key) != objs[0].get(key) for o in objs):
             raise FormatError(f"{out}: parts disagree on {key} (ranks run with different options?); rerun them")
     base_digests: dict[str, str] = {}
@@ -246,6 +250,7 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         producer=f"dcr {__version__} (assembled from {world} parts)",
         extra={"residual_tensors": residual} if residual else {},
+        major=objs[0].get("delta_major", 1),  # a part without it is from a 1.x writer: full section digests
     )
     raw = manifest.to_json_bytes()
     parse_manifest(raw)  # the same checks a reader makes, overlap included, before anything is published

@@ -119,7 +119,7 @@ class Delta:
                 raise IntegrityError(f"{what}: block {block.id[:16]}… is missing from {self.label}") from None
         if len(data) != section.length:
             raise IntegrityError(f"{what}: block {block.id[:16]}… is truncated")
-        if digest_bytes(data) != section.digest:
+        if self.manifest.section_digest(data) != section.digest:
             raise IntegrityError(f"{what}: block {block.id[:16]}… is corrupt (digest mismatch)")
         return data
 

@@ -23,6 +23,7 @@ from ..format.codec import EncodedItem
 from ..format.digest import digest_bytes
 from ..format.manifest import (
     BLOCKS_DIR,
+    FORMAT_MAJOR,
     MANIFEST_NAME,
     TARGET_BLOCK_BYTES,
     BlockEntry,
@@ -32,6 +33,7 @@ from ..format.manifest import (
     Section,
     TensorEntry,
     VersionRef,
+    section_digest,
 )
 from ..io.files import fsync_dir, write_atomic
 
@@ -45,7 +47,8 @@ class _BlockPacker:
         self.pending: list[tuple[int, str, int, int, str]] = []  # (item index, field, offset, length, digest)
 
     def add(self, item_index: int, field: str, data: bytes) -> None:
-        self.pending.append((item_index, field, len(self.buffer), len(data), digest_bytes(data)))
+        digest = section_digest(data, self.writer.major)
+        self.pending.append((item_index, field, len(self.buffer), len(data), digest))
         self.buffer += data
         if len(self.buffer) >= self.writer.block_bytes:
             self.flush()
@@ -73,10 +76,13 @@ class DeltaWriter:
         *,
         block_bytes: int = TARGET_BLOCK_BYTES,
         on_block: Callable[[str, bytes], None] | None = None,
+        major: int = FORMAT_MAJOR,
     ) -> None:
         """``on_block(id, data)`` is called with every block as soon as it is on disk (e.g. to start its
-        upload while the rest of the delta is still being computed)."""
+        upload while the rest of the delta is still being computed). ``major`` is the delta format major
+        written (it decides the section digests, so it is fixed before the first section)."""
         self.out = Path(out)
+        self.major = major
         self.on_block = on_block
         if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
             raise ConflictError(f"{self.out} already exists; choose a new output path or remove it")
@@ -171,6 +177,7 @@ class DeltaWriter:
                 created=created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 producer=f"dcr {__version__}",
                 extra=dict(extra or {}),
+                major=self.major,
             )
             self.commit(MANIFEST_NAME, manifest.to_json_bytes())
             return manifest

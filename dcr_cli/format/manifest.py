@@ -1,4 +1,9 @@
-"""The delta manifest: data model, JSON encoding and validation (format_spec/delta-v1.md).
+"""The delta manifest: data model, encoding and validation (format_spec/delta-v1.md, delta-v2.md).
+
+Two majors share one data model. 1.x is plain JSON with one object per tensor and item; 2.x is one
+zstd frame around a compact JSON document (rows instead of objects, items naming their tensor by
+table index, 128-bit section digests). The first bytes tell them apart (the zstd magic); the inner
+``format_version`` decides, and a zstd-wrapped 1.x or a plain-JSON 2.x is refused.
 
 Parsing is strict about what a reader needs (required fields, types, limits,
 the major version) and lenient about everything else: unknown optional fields
@@ -13,16 +18,22 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
 import numpy as np
+import zstandard
 
 from ..errors import FormatError
-from .digest import is_digest
+from .digest import digest_bytes, is_digest
 from .dtypes import dtype as lookup_dtype
 from .dtypes import numel
 from .strict_json import load_json
 
 FORMAT_NAME = "dcr.delta"
-FORMAT_MAJOR = 1
+FORMAT_MAJOR = 2  # what dcr writes
 FORMAT_MINOR = 0
+READ_MAJORS = (1, 2)  # what dcr reads
+# Section digests: full 256-bit in 1.x, a 128-bit BLAKE3 output (the prefix of the full one) in 2.x.
+SECTION_DIGEST_BYTES = {1: 32, 2: 16}
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+MANIFEST_ZSTD_LEVEL = 3  # measured: as small as levels 6-9 on dcr manifests, and ~0.1 s for 20k tensors
 
 MANIFEST_NAME = "manifest.json"
 BLOCKS_DIR = "blocks"
@@ -139,14 +150,24 @@ class Section:
 
     @staticmethod
     def from_json(obj: Any, where: str) -> Section:
+        """A 1.x section object."""
         if not isinstance(obj, dict):
             raise FormatError(f"{where}: section must be an object")
-        block, offset, length, digest = (obj.get(k) for k in ("block", "offset", "length", "digest"))
+        return Section.checked(obj.get("block"), obj.get("offset"), obj.get("length"), obj.get("digest"), 1, where)
+
+    @staticmethod
+    def checked(block: Any, offset: Any, length: Any, digest: Any, major: int, where: str) -> Section:
         if not (_is_int(block) and _is_int(offset) and _is_int(length)) or min(block, offset, length) < 0:
             raise FormatError(f"{where}: section needs non-negative integers block, offset, length")
-        if not is_digest(digest):
-            raise FormatError(f"{where}: section digest must be 64 lowercase hex characters")
+        hex_len = 2 * SECTION_DIGEST_BYTES[major]
+        if not is_digest(digest, hex_len):
+            raise FormatError(f"{where}: section digest must be {hex_len} lowercase hex characters")
         return Section(block, offset, length, digest)
+
+
+def section_digest(data: bytes | bytearray | memoryview | np.ndarray, major: int) -> str:
+    """THE section digest of a delta of format major ``major``: what writers record and readers compare."""
+    return digest_bytes(data, SECTION_DIGEST_BYTES[major])
 
 
 @dataclass(frozen=True)
@@ -234,19 +255,51 @@ class Manifest:
     producer: str = ""
     minor: int = FORMAT_MINOR
     extra: dict[str, Any] = field(default_factory=dict)  # unknown optional fields, kept verbatim
+    major: int = FORMAT_MAJOR  # 1: plain JSON (delta-v1.md); 2: compact JSON in one zstd frame (delta-v2.md)
+
+    @property
+    def format_version(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+    def section_digest(self, data: bytes | bytearray | memoryview | np.ndarray) -> str:
+        """The digest a section of this manifest records for ``data`` (compare with ``Section.digest``)."""
+        return section_digest(data, self.major)
 
     def to_json_bytes(self) -> bytes:
-        obj: dict[str, Any] = {
+        """The bytes of ``manifest.json`` in this manifest's major: plain JSON (1.x) or one zstd frame (2.x)."""
+        text = self.json_text()
+        if self.major == 1:
+            return text
+        compressor = zstandard.ZstdCompressor(level=MANIFEST_ZSTD_LEVEL, write_checksum=True, write_content_size=True)
+        return compressor.compress(text)
+
+    def json_text(self) -> bytes:
+        """The manifest's JSON document (for 2.x: the content of the zstd frame)."""
+        head: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "format_version": [FORMAT_MAJOR, self.minor],
+            "format_version": [self.major, self.minor],
             "producer": self.producer,
             "created": self.created,
             "base": {"version": self.base.version, "fingerprint": self.base.fingerprint},
             "target": {"version": self.target.version, "fingerprint": self.target.fingerprint},
-            "blocks": [{"id": b.id, "size": b.size, "role": b.role} for b in self.blocks],
-            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
-            "items": [it.to_json() for it in self.items],
         }
+        if self.major == 1:
+            obj = {
+                **head,
+                "blocks": [{"id": b.id, "size": b.size, "role": b.role} for b in self.blocks],
+                "tensors": {name: t.to_json() for name, t in self.tensors.items()},
+                "items": [it.to_json() for it in self.items],
+            }
+        elif self.major == 2:
+            index = {name: i for i, name in enumerate(self.tensors)}
+            obj = {
+                **head,
+                "blocks": [[b.id, b.size, b.role] for b in self.blocks],
+                "tensors": [[name, t.dtype, list(t.shape), t.digest] for name, t in self.tensors.items()],
+                "items": [_item_row(it, index[it.tensor]) for it in self.items],
+            }
+        else:
+            raise ValueError(f"cannot write delta format major {self.major}")
         for key, value in self.extra.items():
             obj.setdefault(key, value)
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -269,10 +322,33 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+def _item_row(it: Item, tensor: int) -> list[Any]:
+    """A 2.x item: [tensor, op, count, region, data, repair, pre, post(, optional members)] (delta-v2 §4.4)."""
+    r = it.region
+    region: list[Any] = [list(r.offsets or ()), list(r.sizes or ())] if r.is_box else [r.start, r.stop]
+    d, rp = it.data, it.repair
+    row: list[Any] = [
+        tensor,
+        it.op,
+        it.count,
+        region,
+        [d.block, d.offset, d.length, it.positions_length, d.digest],
+        None if rp is None else [rp.block, rp.offset, rp.length, rp.digest],
+        it.pre,
+        it.post,
+    ]
+    optional: dict[str, Any] = {}
+    if it.residual is not None:
+        optional["residual"] = it.residual
+    if it.changed is not None:
+        optional["changed"] = it.changed
+    if optional:
+        row.append(optional)
+    return row
+
+
 def fingerprint(tensors: dict[str, TensorEntry]) -> str:
     """Model fingerprint: the digest of the canonical tensor table (format_spec §4.3)."""
-    from .digest import digest_bytes
-
     lines = [
         f"{name}\t{t.dtype}\t{','.join(str(s) for s in t.shape)}\t{t.digest}\n"
         for name, t in sorted(tensors.items(), key=lambda kv: kv[0].encode("utf-8"))
@@ -280,24 +356,84 @@ def fingerprint(tensors: dict[str, TensorEntry]) -> str:
     return digest_bytes("".join(lines).encode("utf-8"))
 
 
-def parse_manifest(raw: bytes) -> Manifest:
-    """Parse and validate manifest bytes. Raises FormatError with a one-line reason.
-
-    Every field a reader uses is type-checked here (delta-v1 §7.2 step 1), so that nothing
-    downstream meets a value of the wrong type; the JSON itself is read strictly (§8, "JSON").
-    """
+def manifest_json(raw: bytes) -> bytes:
+    """The JSON document of ``manifest.json`` bytes: 2.x unwrapped from its zstd frame (checked), 1.x as is."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
-    obj = load_json(raw, MANIFEST_NAME)
+    return _unwrap(raw) if raw[:4] == ZSTD_MAGIC else bytes(raw)
+
+
+def _unwrap(raw: bytes) -> bytes:
+    """The content of the one zstd frame that a 2.x manifest.json is (delta-v2 §3: the §5.2 frame rules).
+
+    The declared size is checked against the manifest limit before anything is decompressed.
+    """
+    what = MANIFEST_NAME
+    try:
+        params = zstandard.get_frame_parameters(raw)
+        pos = zstandard.frame_header_size(raw)
+    except zstandard.ZstdError:
+        raise FormatError(f"{what}: starts with the zstd magic but holds no valid zstd frame header") from None
+    declared = params.content_size
+    if declared == zstandard.CONTENTSIZE_UNKNOWN:
+        raise FormatError(f"{what}: the zstd frame does not declare its content size")
+    if declared > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{what}: the zstd frame declares {declared} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
+    if not params.has_checksum:
+        raise FormatError(f"{what}: the zstd frame carries no content checksum")
+    if params.dict_id:
+        raise FormatError(f"{what}: the zstd frame needs a dictionary; a manifest frame uses none")
+    while True:  # the frame's end, from its block headers (RFC 8878 §3.1.1.2)
+        if pos + 3 > len(raw):
+            raise FormatError(f"{what}: the zstd frame is truncated")
+        header = int.from_bytes(raw[pos : pos + 3], "little")
+        kind, size = (header >> 1) & 3, header >> 3
+        if kind == 3:
+            raise FormatError(f"{what}: corrupt zstd frame (reserved block type)")
+        pos += 3 + (1 if kind == 1 else size)  # an RLE block stores its one byte
+        if header & 1:  # last block
+            break
+    pos += 4  # content checksum
+    if pos > len(raw):
+        raise FormatError(f"{what}: the zstd frame is truncated")
+    if pos < len(raw):
+        raise FormatError(f"{what}: {len(raw) - pos} bytes follow the zstd frame; manifest.json is exactly one")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(raw, max_output_size=max(declared, 1))
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what}: corrupt zstd frame ({exc})") from None
+    if len(out) != declared:
+        raise FormatError(f"{what}: the zstd frame decoded to {len(out)} bytes, it declares {declared}")
+    return out
+
+
+def parse_manifest(raw: bytes) -> Manifest:
+    """Parse and validate manifest bytes (1.x or 2.x). Raises FormatError with a one-line reason.
+
+    Every field a reader uses is type-checked here (delta-v1/v2 §7.2 step 1), so that nothing
+    downstream meets a value of the wrong type; the JSON itself is read strictly (§8, "JSON").
+    """
+    wrapped = raw[:4] == ZSTD_MAGIC
+    obj = load_json(manifest_json(raw), MANIFEST_NAME)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatError('not a dcr delta manifest (missing "format": "dcr.delta")')
     version = obj.get("format_version")
     if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) for v in version)):
         raise FormatError("manifest format_version must be [major, minor]")
     major, minor = version
-    if major != FORMAT_MAJOR:
+    if major not in READ_MAJORS:
         raise FormatError(
-            f"delta format major version {major} is not supported by this dcr (reads {FORMAT_MAJOR}.x); upgrade dcr"
+            f"delta format major version {major} is not supported by this dcr (reads "
+            f"{' and '.join(f'{m}.x' for m in READ_MAJORS)}); upgrade dcr"
+        )
+    if major == 1 and wrapped:
+        raise FormatError(
+            "manifest.json is a zstd frame holding a format 1.x manifest; a 1.x manifest is plain JSON (delta-v2 §3)"
+        )
+    if major >= 2 and not wrapped:
+        raise FormatError(
+            f"manifest.json is plain JSON declaring format major version {major}; "
+            "a 2.x manifest is one zstd frame (delta-v2 §3)"
         )
     if minor < 0:
         raise FormatError(f"manifest format_version minor {minor} is negative")
@@ -307,46 +443,25 @@ def parse_manifest(raw: bytes) -> Manifest:
 
     base = _version_ref(obj.get("base"), "base")
     target = _version_ref(obj.get("target"), "target")
-
-    blocks_raw = obj.get("blocks")
+    blocks_raw, tensors_raw, items_raw = obj.get("blocks"), obj.get("tensors"), obj.get("items")
     if not isinstance(blocks_raw, list):
         raise FormatError("manifest blocks must be a list")
-    blocks: list[BlockEntry] = []
-    for i, b in enumerate(blocks_raw):
-        where = f"blocks[{i}]"
-        if not isinstance(b, dict) or not is_digest(b.get("id")) or not _is_int(b.get("size")):
-            raise FormatError(f"{where}: needs a 64-hex id and an integer size")
-        if not 0 <= b["size"] <= MAX_BLOCK_BYTES:
-            raise FormatError(f"{where}: size {b['size']} outside 0..{MAX_BLOCK_BYTES}")
-        role = b.get("role", "data")
-        if role not in ("data", "repair"):
-            raise FormatError(f"{where}: unknown role {_show(role)}")
-        blocks.append(BlockEntry(b["id"], b["size"], role))
-
-    tensors_raw = obj.get("tensors")
-    if not isinstance(tensors_raw, dict):
-        raise FormatError("manifest tensors must be an object")
-    tensors: dict[str, TensorEntry] = {}
-    for name, t in tensors_raw.items():
-        where = f"tensor {_show(name)}"
-        if not isinstance(t, dict):
-            raise FormatError(f"{where}: must be an object")
-        shape = t.get("shape")
-        if not _int_list(shape) or any(s < 0 for s in shape):
-            raise FormatError(f"{where}: shape must be a list of non-negative integers")
-        if not isinstance(t.get("dtype"), str):
-            raise FormatError(f"{where}: dtype must be a string")
-        dt = lookup_dtype(t["dtype"])
-        if numel(shape) * dt.itemsize > MAX_TENSOR_BYTES:
-            raise FormatError(f"{where}: shape {shape} is over the 2^63 byte limit")
-        if not is_digest(t.get("digest")):
-            raise FormatError(f"{where}: digest must be 64 lowercase hex characters")
-        tensors[name] = TensorEntry(t["dtype"], tuple(shape), t["digest"])
-
-    items_raw = obj.get("items")
-    if not isinstance(items_raw, list):
-        raise FormatError("manifest items must be a list")
-    items = [_item(it, i, tensors, blocks) for i, it in enumerate(items_raw)]
+    if major == 1:
+        if not isinstance(tensors_raw, dict):
+            raise FormatError("manifest tensors must be an object")
+        if not isinstance(items_raw, list):
+            raise FormatError("manifest items must be a list")
+        blocks = [_block_v1(b, i) for i, b in enumerate(blocks_raw)]
+        tensors = {name: _tensor_v1(name, t) for name, t in tensors_raw.items()}
+        items = [_item_v1(it, i, tensors, blocks) for i, it in enumerate(items_raw)]
+    else:
+        if not isinstance(tensors_raw, list):
+            raise FormatError("manifest tensors must be a list of [name, dtype, shape, digest] rows")
+        if not isinstance(items_raw, list):
+            raise FormatError("manifest items must be a list")
+        blocks = [_block_v2(b, i) for i, b in enumerate(blocks_raw)]
+        tensors, names = _tensors_v2(tensors_raw)
+        items = [_item_v2(it, i, names, tensors, blocks) for i, it in enumerate(items_raw)]
     _check_disjoint(items)
 
     known = {"format", "format_version", "producer", "created", "base", "target", "blocks", "tensors", "items"}
@@ -360,10 +475,81 @@ def parse_manifest(raw: bytes) -> Manifest:
         producer=obj.get("producer", ""),
         minor=minor,
         extra={k: v for k, v in obj.items() if k not in known},
+        major=major,
     )
 
 
-def _item(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[BlockEntry]) -> Item:
+def _block(block_id: Any, size: Any, role: Any, where: str) -> BlockEntry:
+    if not is_digest(block_id) or not _is_int(size):
+        raise FormatError(f"{where}: needs a 64-hex id and an integer size")
+    if not 0 <= size <= MAX_BLOCK_BYTES:
+        raise FormatError(f"{where}: size {size} outside 0..{MAX_BLOCK_BYTES}")
+    if role not in ("data", "repair"):
+        raise FormatError(f"{where}: unknown role {_show(role)}")
+    return BlockEntry(block_id, size, role)
+
+
+def _block_v1(b: Any, i: int) -> BlockEntry:
+    if not isinstance(b, dict):
+        raise FormatError(f"blocks[{i}]: needs a 64-hex id and an integer size")
+    return _block(b.get("id"), b.get("size"), b.get("role", "data"), f"blocks[{i}]")
+
+
+def _block_v2(b: Any, i: int) -> BlockEntry:
+    if not (isinstance(b, list) and len(b) >= 3):
+        raise FormatError(f"blocks[{i}]: must be a row [id, size, role]")
+    return _block(b[0], b[1], b[2], f"blocks[{i}]")
+
+
+def _tensor(name: str, dt: Any, shape: Any, digest: Any) -> TensorEntry:
+    where = f"tensor {_show(name)}"
+    if not _int_list(shape) or any(s < 0 for s in shape):
+        raise FormatError(f"{where}: shape must be a list of non-negative integers")
+    if not isinstance(dt, str):
+        raise FormatError(f"{where}: dtype must be a string")
+    if numel(shape) * lookup_dtype(dt).itemsize > MAX_TENSOR_BYTES:
+        raise FormatError(f"{where}: shape {shape} is over the 2^63 byte limit")
+    if not is_digest(digest):
+        raise FormatError(f"{where}: digest must be 64 lowercase hex characters")
+    return TensorEntry(dt, tuple(shape), digest)
+
+
+def _tensor_v1(name: str, t: Any) -> TensorEntry:
+    if not isinstance(t, dict):
+        raise FormatError(f"tensor {_show(name)}: must be an object")
+    return _tensor(name, t.get("dtype"), t.get("shape"), t.get("digest"))
+
+
+def _tensors_v2(rows: list[Any]) -> tuple[dict[str, TensorEntry], list[str]]:
+    """The 2.x table: rows [name, dtype, shape, digest]; a (dtype, shape) seen before is not checked again."""
+    tensors: dict[str, TensorEntry] = {}
+    names: list[str] = []
+    layouts: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+    for i, row in enumerate(rows):
+        if type(row) is not list or len(row) < 4:
+            raise FormatError(f"tensors[{i}]: must be a row [name, dtype, shape, digest]")
+        name, dt, shape, digest = row[0], row[1], row[2], row[3]
+        if type(name) is not str:
+            raise FormatError(f"tensors[{i}]: name must be a string")
+        if name in tensors:
+            raise FormatError(f"tensors[{i}]: tensor {_show(name)} is in the table twice")
+        key = None
+        if type(dt) is str and type(shape) is list and all(type(s) is int for s in shape):
+            key = (dt, tuple(shape))
+            checked = layouts.get(key)
+            if checked is not None and is_digest(digest):
+                tensors[name] = TensorEntry(dt, checked, digest)
+                names.append(name)
+                continue
+        entry = _tensor(name, dt, shape, digest)
+        if key is not None:
+            layouts[key] = entry.shape
+        tensors[name] = entry
+        names.append(name)
+    return tensors, names
+
+
+def _item_v1(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[BlockEntry]) -> Item:
     where = f"items[{index}]"
     if not isinstance(obj, dict):
         raise FormatError(f"{where}: must be an object")
@@ -372,28 +558,112 @@ def _item(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[Bl
         raise FormatError(f"{where}: tensor must be a string (a name in the tensor table)")
     if name not in tensors:
         raise FormatError(f"{where}: tensor {_show(name)} is not in the tensor table")
-    entry = tensors[name]
     region = Region.from_json(obj.get("region"), where)
+    data_raw = obj.get("data")
+    data = Section.from_json(data_raw, where + ".data")
+    assert isinstance(data_raw, dict)  # Section.from_json refuses anything else
+    repair = None
+    if obj.get("repair") is not None:
+        repair = Section.from_json(obj["repair"], where + ".repair")
+    return _item(
+        where,
+        name,
+        tensors[name],
+        region,
+        obj.get("op"),
+        obj.get("count"),
+        data,
+        data_raw.get("positions_length"),
+        repair,
+        obj.get("pre"),
+        obj.get("post"),
+        obj.get("residual"),
+        obj.get("changed"),
+        blocks,
+    )
+
+
+_ITEM_ROW = "[tensor, op, count, region, data, repair, pre, post]"
+
+
+def _item_v2(row: Any, index: int, names: list[str], tensors: dict[str, TensorEntry], blocks: list[BlockEntry]) -> Item:
+    """A 2.x item row (delta-v2 §4.4): the structure here, every rule shared with 1.x in ``_item``."""
+    where = f"items[{index}]"
+    if type(row) is not list or len(row) < 8:
+        raise FormatError(f"{where}: must be a row {_ITEM_ROW}")
+    t, op, count, region_raw, data_raw, repair_raw, pre, post = row[:8]
+    optional = row[8] if len(row) > 8 else {}
+    if not isinstance(optional, dict):
+        raise FormatError(f"{where}: the 9th element (optional members) must be an object")
+    if not _is_int(t):
+        raise FormatError(f"{where}: tensor must be an integer (an index into the tensor table)")
+    if not 0 <= t < len(names):
+        raise FormatError(f"{where}: tensor index {t} is out of range (the table has {len(names)} tensors)")
+    name = names[t]
+    if type(region_raw) is not list or len(region_raw) != 2:
+        raise FormatError(f"{where}: region must be [start, stop] or [offsets, sizes]")
+    a, b = region_raw
+    if _is_int(a) and _is_int(b):
+        region = Region.range(a, b)
+    elif _int_list(a) and _int_list(b) and len(a) == len(b):
+        region = Region.box(a, b)
+    else:
+        raise FormatError(f"{where}: region must be two integers [start, stop] or two integer lists of one length")
+    if type(data_raw) is not list or len(data_raw) != 5:
+        raise FormatError(f"{where}.data: section must be [block, offset, length, positions_length, digest]")
+    data = Section.checked(data_raw[0], data_raw[1], data_raw[2], data_raw[4], 2, where + ".data")
+    repair = None
+    if repair_raw is not None:
+        if type(repair_raw) is not list or len(repair_raw) != 4:
+            raise FormatError(f"{where}.repair: section must be [block, offset, length, digest] or null")
+        rb, ro, rl, rd = repair_raw
+        repair = Section.checked(rb, ro, rl, rd, 2, where + ".repair")
+    return _item(
+        where,
+        name,
+        tensors[name],
+        region,
+        op,
+        count,
+        data,
+        data_raw[3],
+        repair,
+        pre,
+        post,
+        optional.get("residual"),
+        optional.get("changed"),
+        blocks,
+    )
+
+
+def _item(
+    where: str,
+    name: str,
+    entry: TensorEntry,
+    region: Region,
+    op: Any,
+    count: Any,
+    data: Section,
+    positions_length: Any,
+    repair: Section | None,
+    pre: Any,
+    post: Any,
+    residual: Any,
+    changed: Any,
+    blocks: list[BlockEntry],
+) -> Item:
+    """The rules of an item, the same in every major (delta-v1/v2 §4.4, §5.1)."""
     region.check_within(entry.shape, where)
-    op = obj.get("op")
     if not isinstance(op, str) or op not in OPS:
         raise FormatError(f"{where}: unknown op {_show(op)} (this dcr knows {', '.join(OPS)}); upgrade dcr")
-    count = obj.get("count")
     if not _is_int(count) or not 0 <= count <= region.size:
         raise FormatError(f"{where}: count must be an integer within the region size {region.size}")
     if op == "replace" and count != region.size:
         raise FormatError(f"{where}: a replace item must cover its whole region")
-    data_raw = obj.get("data")
-    data = Section.from_json(data_raw, where + ".data")
-    assert isinstance(data_raw, dict)  # Section.from_json refuses anything else
-    positions_length = data_raw.get("positions_length")
     if not _is_int(positions_length) or not 0 <= positions_length <= data.length:
         raise FormatError(f"{where}: data.positions_length must be an integer within data.length")
     if op == "replace" and positions_length != 0:
         raise FormatError(f"{where}: a replace item carries no positions")
-    repair = None
-    if obj.get("repair") is not None:
-        repair = Section.from_json(obj["repair"], where + ".repair")
     if op == "xor" and repair is None:
         raise FormatError(f"{where}: an xor item must carry a repair section")
     for section, role in ((data, "data"), (repair, "repair")):
@@ -406,13 +676,10 @@ def _item(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list[Bl
             raise FormatError(f"{where}: {role} section points into a {block.role} block")
         if section.offset + section.length > block.size:
             raise FormatError(f"{where}: {role} section runs past the end of its block")
-    pre, post = obj.get("pre"), obj.get("post")
     if not (is_digest(pre) and is_digest(post)):
         raise FormatError(f"{where}: pre and post must be 64 lowercase hex digests")
-    residual = obj.get("residual")
     if residual is not None and not isinstance(residual, str):
         raise FormatError(f"{where}: residual must be a string")
-    changed = obj.get("changed")
     if changed is not None and not (_is_int(changed) and 0 <= changed <= count):
         raise FormatError(f"{where}: changed must be an integer within count {count}")
     return Item(
