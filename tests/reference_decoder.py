@@ -52,6 +52,9 @@ RULES = {
     "pre": "§7.2: the affected elements do not match pre",
     "post": "§7.2: the new values do not match post",
     "fingerprint": "§4.3: the tensor table does not match the fingerprint",
+    "wrapping": "v2 §3: a 1.x manifest in a zstd frame, or a 2.x manifest as plain JSON",
+    "manifest-frame": "v2 §3: manifest.json (2.x) is not exactly one checksummed zstd frame of its declared size",
+    "rows": "v2 §4: a row of the 2.x table or items is malformed (tensor index, section digest length, names)",
 }
 
 
@@ -247,21 +250,91 @@ def _section(obj: Any, where: str) -> dict[str, Any]:
     _need(isinstance(obj, dict), f"{where} is not an object")
     for k in ("block", "offset", "length"):
         _need(_is_uint(obj.get(k)), f"{where}.{k} must be a non-negative integer")
-    _need(_is_hex(obj.get("digest")), f"{where}.digest must be 64 lowercase hex")
+    d = obj.get("digest")
+    _need(isinstance(d, str) and len(d) == obj.get("_hex", 64) and set(d) <= HEX, f"{where}.digest length/hex")
     return obj
+
+
+def _unwrap(raw: bytes) -> bytes:
+    """delta-v2 §3: one zstd frame, checksummed, its declared size within 256 MiB (checked first)."""
+    try:
+        size = check_frame(raw)
+    except Refused as exc:
+        raise Refused("manifest-frame", str(exc)) from None
+    if size > MAX_MANIFEST:
+        raise Refused("limit", f"manifest frame declares {size} bytes")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(raw, max_output_size=max(size, 1))
+    except zstandard.ZstdError as exc:
+        raise Refused("manifest-frame", f"corrupt ({exc})") from None
+    if len(out) != size:
+        raise Refused("manifest-frame", f"decoded {len(out)} of {size}")
+    return out
+
+
+def _v2_to_v1(m: dict[str, Any]) -> None:
+    """Rewrite a 2.x document's rows (delta-v2 §4) as the 1.x objects the checks below read."""
+    blocks, tensors, items = m.get("blocks"), m.get("tensors"), m.get("items")
+    _need(isinstance(blocks, list) and isinstance(tensors, list) and isinstance(items, list), "2.x lists")
+    for i, b in enumerate(blocks):
+        _need(isinstance(b, list) and len(b) >= 3, f"blocks[{i}] row")
+        blocks[i] = {"id": b[0], "size": b[1], "role": b[2]}
+    table: dict[str, Any] = {}
+    names = []
+    for i, t in enumerate(tensors):
+        _need(isinstance(t, list) and len(t) >= 4 and isinstance(t[0], str), f"tensors[{i}] row")
+        if t[0] in table:
+            raise Refused("rows", f"tensor {t[0]!r} twice")
+        table[t[0]] = {"dtype": t[1], "shape": t[2], "digest": t[3]}
+        names.append(t[0])
+    m["tensors"] = table
+    for i, row in enumerate(items):
+        _need(isinstance(row, list) and len(row) >= 8, f"items[{i}] row")
+        t, op, count, region, data, repair, pre, post = row[:8]
+        opt = row[8] if len(row) > 8 else {}
+        _need(isinstance(opt, dict), f"items[{i}] optional members")
+        if not (_is_int(t) and 0 <= t < len(names)):
+            raise Refused("rows", f"items[{i}] tensor index {t!r}")
+        _need(isinstance(region, list) and len(region) == 2, f"items[{i}] region")
+        if all(_is_int(v) for v in region):
+            reg = {"start": region[0], "stop": region[1]}
+        else:
+            reg = {"offsets": region[0], "sizes": region[1]}
+        _need(isinstance(data, list) and len(data) == 5, f"items[{i}] data")
+        it = {"tensor": names[t], "region": reg, "op": op, "count": count, "pre": pre, "post": post, **opt}
+        it["data"] = {"block": data[0], "offset": data[1], "length": data[2], "positions_length": data[3]}
+        it["data"].update(digest=data[4], _hex=32)
+        if repair is not None:
+            _need(isinstance(repair, list) and len(repair) == 4, f"items[{i}] repair")
+            it["repair"] = {
+                "block": repair[0],
+                "offset": repair[1],
+                "length": repair[2],
+                "digest": repair[3],
+                "_hex": 32,
+            }
+        for sec in (it["data"], it.get("repair")):
+            if sec is not None and not (isinstance(sec["digest"], str) and len(sec["digest"]) == 32):
+                raise Refused("rows", f"items[{i}] section digest of {len(str(sec['digest']))} characters")
+        items[i] = it
 
 
 def read_manifest(raw: bytes) -> dict[str, Any]:
     """The validated manifest object, with each item's region parsed into ``item["_region"]``."""
     if len(raw) > MAX_MANIFEST:
         raise Refused("limit", "manifest over 256 MiB")
-    m = strict_json(raw)
+    wrapped = raw[:4] == b"\x28\xb5\x2f\xfd"
+    m = strict_json(_unwrap(raw) if wrapped else raw)
     if not isinstance(m, dict) or m.get("format") != "dcr.delta":
         raise Refused("format", "not dcr.delta")
     fv = m.get("format_version")
     _need(isinstance(fv, list) and len(fv) == 2 and all(_is_int(v) for v in fv), "format_version")
-    if fv[0] != 1:
+    if fv[0] not in (1, 2):
         raise Refused("major", f"major version {fv[0]}")
+    if wrapped != (fv[0] == 2):
+        raise Refused("wrapping", f"major {fv[0]} {'in a zstd frame' if wrapped else 'as plain JSON'}")
+    if fv[0] == 2:
+        _v2_to_v1(m)
     for k in ("producer", "created"):
         _need(k not in m or isinstance(m[k], str), f"{k} must be a string")
     for k in ("base", "target"):
@@ -406,7 +479,7 @@ def _read_section(delta: Path, m: dict[str, Any], sec: dict[str, Any]) -> bytes:
     raw = (delta / "blocks" / m["blocks"][sec["block"]]["id"]).read_bytes()[
         sec["offset"] : sec["offset"] + sec["length"]
     ]
-    if len(raw) != sec["length"] or digest(raw) != sec["digest"]:
+    if len(raw) != sec["length"] or digest(raw)[: sec.get("_hex", 64)] != sec["digest"]:
         raise Refused("section-digest", "section bytes do not match")
     return raw
 

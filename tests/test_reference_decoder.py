@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import reference_decoder as ref
-from manifest_text import manifest_text
+from manifest_text import manifest_v1
 
 VECTORS = Path(__file__).resolve().parents[1] / "format_spec" / "vectors"
 GOOD = sorted(p.name for p in VECTORS.iterdir() if p.is_dir() and p.name != "bad")
@@ -37,6 +37,20 @@ RULE_OF = {
     "unknown-major": "major",
     "unknown-op": "op",
     "xor-without-repair": "repair",
+    "v2-bytes-after-frame": "manifest-frame",
+    "v2-declared-size-mismatch": "manifest-frame",
+    "v2-declared-size-over-limit": "limit",
+    "v2-duplicate-tensor": "rows",
+    "v2-frame-without-checksum": "manifest-frame",
+    "v2-long-section-digest": "rows",
+    "v2-overlapping-items": "overlap",
+    "v2-plain-json": "wrapping",
+    "v2-short-section-digest": "rows",
+    "v2-tampered-block": "block",
+    "v2-tensor-index-out-of-range": "rows",
+    "v2-tensor-name-in-item": "rows",
+    "v2-unknown-major-3": "major",
+    "v2-zstd-wrapped-v1": "wrapping",
 }
 
 
@@ -112,5 +126,5 @@ def test_decoder_agrees_with_dcr_on_fresh_deltas(tmp_path: Path) -> None:
     after = ref.apply(tmp_path / "d", model)
     want = read_bits(tmp_path / "b")
     assert {n: bytes.fromhex(t["hex"]) for n, t in after.items()} == want
-    ops = {it["op"] for it in json.loads(manifest_text(tmp_path / "d"))["items"]}
+    ops = {it["op"] for it in manifest_v1(tmp_path / "d", rewrite=False)["items"]}
     assert ops >= {"xor", "replace"}

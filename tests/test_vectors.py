@@ -29,10 +29,12 @@ def _load(path: Path) -> dict[str, tuple[str, list[int], np.ndarray]]:
     return out
 
 
-def test_basic_vector_decodes_and_applies():
-    root = VECTORS / "basic"
+@pytest.mark.parametrize(("name", "major"), [("basic", 1), ("basic-v2", 2)])
+def test_basic_vector_decodes_and_applies(name: str, major: int) -> None:
+    root = VECTORS / name
     delta = Delta.open(root / "delta")
     delta.verify_blocks(roles=("data", "repair"))
+    assert delta.manifest.major == major
     expected = json.loads((root / "expected.json").read_text())
     base, target = _load(root / "base.json"), _load(root / "target.json")
     assert len(expected) == len(delta.manifest.items)
@@ -81,10 +83,37 @@ REFUSED_BECAUSE = {
     "tampered-block": "corrupt",
     "tensor-not-a-string": "tensor must be a string",
     "truncated-block": "truncated",
-    "unknown-major": "major version 2",
+    "unknown-major": "major version 3",  # was 2 before delta-v2 made major 2 known
     "unknown-op": "unknown op 'add'",
     "xor-without-repair": "repair section",
+    "v2-bytes-after-frame": "1 bytes follow the zstd frame",
+    "v2-declared-size-mismatch": "corrupt zstd frame",
+    "v2-declared-size-over-limit": "declares 268435457 bytes, over the 268435456 byte limit",
+    "v2-duplicate-tensor": "in the table twice",
+    "v2-frame-without-checksum": "carries no content checksum",
+    "v2-long-section-digest": "section digest must be 32 lowercase hex",
+    "v2-overlapping-items": "overlap",
+    "v2-plain-json": "plain JSON declaring format major version 2",
+    "v2-short-section-digest": "section digest must be 32 lowercase hex",
+    "v2-tampered-block": "corrupt",
+    "v2-tensor-index-out-of-range": "tensor index 7 is out of range",
+    "v2-tensor-name-in-item": "tensor must be an integer",
+    "v2-unknown-major-3": "major version 3",
+    "v2-zstd-wrapped-v1": "zstd frame holding a format 1.x manifest",
 }
+
+
+def test_basic_vectors_hold_the_same_changes() -> None:
+    """basic-v2 is basic written as 2.0: same tables, items and decoded values; a smaller manifest."""
+    one, two = Delta.open(VECTORS / "basic" / "delta"), Delta.open(VECTORS / "basic-v2" / "delta")
+    assert one.manifest.tensors == two.manifest.tensors
+    assert (one.manifest.base, one.manifest.target) == (two.manifest.base, two.manifest.target)
+    for a, b in zip(one.manifest.items, two.manifest.items, strict=True):
+        assert (a.tensor, a.region, a.op, a.count, a.pre, a.post) == (b.tensor, b.region, b.op, b.count, b.pre, b.post)
+        assert a.data.digest[:32] == b.data.digest and len(b.data.digest) == 32
+    for name in ("expected.json", "base.json", "target.json"):
+        assert (VECTORS / "basic" / name).read_bytes() == (VECTORS / "basic-v2" / name).read_bytes()
+    assert two.manifest_bytes < one.manifest_bytes
 
 
 def test_every_bad_vector_has_a_reason() -> None:

@@ -11,12 +11,21 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import zstandard
 
 from dcr_cli.delta.writer import DeltaWriter
 from dcr_cli.format.codec import diff_region
 from dcr_cli.format.digest import digest_bytes
 from dcr_cli.format.dtypes import dtype as lookup_dtype
-from dcr_cli.format.manifest import MANIFEST_NAME, Region, TensorEntry, VersionRef, fingerprint
+from dcr_cli.format.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Region,
+    TensorEntry,
+    VersionRef,
+    fingerprint,
+    manifest_json,
+)
 
 HERE = Path(__file__).parent
 CREATED = "2026-11-30T00:00:00Z"
@@ -74,8 +83,9 @@ def _dump(tensors: dict) -> dict:
     }
 
 
-def make_basic() -> Path:
-    out = HERE / "basic"
+def make_basic(name: str = "basic", major: int = 1) -> Path:
+    """The basic vector as a delta of format ``major`` (basic: 1.0; basic-v2: the same changes as 2.0)."""
+    out = HERE / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     base, target = _tensors()
@@ -97,7 +107,7 @@ def make_basic() -> Path:
     items.append(diff_region("u8.box", Region.box((1, 0, 0), (1, 3, 4)), b3[1:2].reshape(-1), t3[1:2].reshape(-1)))
     items.append(diff_region("f16.zeros", Region.range(0, 2), base["f16.zeros"][2], target["f16.zeros"][2]))
     items.append(diff_region("bool.mask", Region.range(0, 4), base["bool.mask"][2], target["bool.mask"][2]))
-    writer = DeltaWriter(out / "delta")
+    writer = DeltaWriter(out / "delta", major=major)
     for item in items:
         assert item is not None
         writer.add(item)
@@ -155,8 +165,8 @@ def make_bad(basic: Path) -> None:
 
     variant(
         "unknown-major",
-        "format_version major 2 is unknown to a 1.x reader",
-        lambda m: m.__setitem__("format_version", [2, 0]),
+        "format_version major 3 is unknown (dcr reads 1.x and 2.x; 2 is no longer unknown since delta-v2)",
+        lambda m: m.__setitem__("format_version", [3, 0]),
     )
     variant("overlapping-items", "two items cover the same elements", lambda m: m["items"].append(m["items"][0]))
     variant(
@@ -271,6 +281,108 @@ def make_bad(basic: Path) -> None:
     )
 
 
+def _frame(text: bytes, checksum: bool = True) -> bytes:
+    return zstandard.ZstdCompressor(level=3, write_checksum=checksum, write_content_size=True).compress(text)
+
+
+def make_bad_v2(basic: Path) -> None:
+    """Bad 2.0 deltas (vectors/bad/v2-*): each breaks one rule of delta-v2.md and nothing else."""
+    bad = HERE / "bad"
+    for old in bad.glob("v2-*"):
+        shutil.rmtree(old)
+    text = manifest_json((basic / "delta" / MANIFEST_NAME).read_bytes())
+    manifest = json.loads(text)
+
+    def variant(name: str, reason: str, edit=None, raw=None, edit_blocks=None) -> None:
+        d = bad / f"v2-{name}"
+        shutil.copytree(basic / "delta", d / "delta")
+        if raw is None:
+            m = json.loads(json.dumps(manifest))
+            edit(m)
+            raw = _frame(json.dumps(m, separators=(",", ":")).encode())
+        (d / "delta" / MANIFEST_NAME).write_bytes(raw)
+        if edit_blocks:
+            edit_blocks(d / "delta")
+        (d / "reason.txt").write_text(reason + "\n")
+
+    variant("frame-without-checksum", "the manifest frame carries no content checksum", raw=_frame(text, False))
+    variant(
+        "bytes-after-frame",
+        "one byte follows the manifest frame: manifest.json is exactly one frame",
+        raw=_frame(text) + b"\0",
+    )
+    # Valid JSON padded with whitespace to one byte over the limit: only the size rule refuses it,
+    # and a reader that checks the declared size first never decompresses it.
+    over = text + b" " * (MAX_MANIFEST_BYTES + 1 - len(text))
+    variant(
+        "declared-size-over-limit",
+        "the manifest frame declares 256 MiB + 1 bytes: over the manifest limit",
+        raw=_frame(over),
+    )
+    frame = bytearray(_frame(text))
+    params = zstandard.get_frame_parameters(bytes(frame))
+    fcs_flag = frame[4] >> 6
+    fcs_size = (1, 2, 4, 8)[fcs_flag] if (fcs_flag or frame[4] & 0x20) else 0
+    assert fcs_size and params.content_size == len(text)
+    fcs_at = 5 + (0 if frame[4] & 0x20 else 1) + (0, 1, 2, 4)[frame[4] & 3]
+    declared = len(text) + 1 - (256 if fcs_size == 2 else 0)
+    frame[fcs_at : fcs_at + fcs_size] = declared.to_bytes(fcs_size, "little")
+    variant("declared-size-mismatch", "the manifest frame declares one byte more than it holds", raw=bytes(frame))
+    v1 = json.loads(json.dumps(manifest))
+    v1["format_version"] = [1, 0]
+    variant(
+        "zstd-wrapped-v1",
+        "a manifest declaring 1.0 inside a zstd frame: a 1.x manifest is plain JSON",
+        raw=_frame((basic.parent / "basic" / "delta" / MANIFEST_NAME).read_bytes()),
+    )
+    variant("plain-json", "a 2.0 manifest written as plain JSON: a 2.x manifest is one zstd frame", raw=text)
+    variant(
+        "unknown-major-3",
+        "format_version major 3 inside the frame is unknown to a 2.x reader",
+        lambda m: m.__setitem__("format_version", [3, 0]),
+    )
+    variant(
+        "tensor-index-out-of-range",
+        "items[0] names tensor 7 of a 7-tensor table",
+        lambda m: m["items"][0].__setitem__(0, len(m["tensors"])),
+    )
+    variant(
+        "short-section-digest",
+        "items[0].data's digest has 30 hex characters, not 32",
+        lambda m: m["items"][0][4].__setitem__(4, m["items"][0][4][4][:30]),
+    )
+    variant(
+        "long-section-digest",
+        "items[0].data's digest is the full 64-hex digest: 2.x section digests are 32",
+        lambda m: m["items"][0][4].__setitem__(4, digest_bytes(b"x")),
+    )
+    variant(
+        "duplicate-tensor",
+        "the tensor table lists one name twice",
+        lambda m: m["tensors"].append(list(m["tensors"][0])),
+    )
+    variant("overlapping-items", "two items cover the same elements", lambda m: m["items"].append(m["items"][0]))
+    variant(
+        "tensor-name-in-item",
+        "items[0] names its tensor by name: a 2.x item holds a table index",
+        lambda m: m["items"][0].__setitem__(0, m["tensors"][m["items"][0][0]][0]),
+    )
+
+    def flip(delta: Path) -> None:
+        p = delta / "blocks" / manifest["blocks"][0][0]
+        raw = bytearray(p.read_bytes())
+        raw[5] ^= 0x10
+        p.write_bytes(bytes(raw))
+
+    variant(
+        "tampered-block",
+        "a block byte was changed: 128-bit section digests no longer match",
+        raw=(basic / "delta" / MANIFEST_NAME).read_bytes(),
+        edit_blocks=flip,
+    )
+
+
 if __name__ == "__main__":
     make_bad(make_basic())
+    make_bad_v2(make_basic("basic-v2", major=2))
     print("vectors written to", HERE)
