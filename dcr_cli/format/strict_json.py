@@ -52,14 +52,19 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _max_depth(raw: np.ndarray) -> int:  # pragma: no cover - compiled
-    """Deepest bracket nesting outside strings: one pass, constant memory, no recursion, no regex
-    (a regex over strings backtracks quadratically on an unterminated string of escaped quotes)."""
+def _scan(raw: np.ndarray) -> tuple[int, int]:  # pragma: no cover - compiled
+    """(deepest bracket nesting, most digits of an integer literal), strings excluded: one pass,
+    constant memory, no recursion, no regex (a regex over strings backtracks quadratically on an
+    unterminated string of escaped quotes). An integer literal is a run of digits that is neither
+    the fraction or exponent of a number nor followed by one (what json calls parse_int on)."""
     depth = 0
     deepest = 0
+    longest = 0
     in_string = False
     escaped = False
-    for i in range(raw.shape[0]):
+    n = raw.shape[0]
+    i = 0
+    while i < n:
         c = raw[i]
         if in_string:
             if escaped:
@@ -76,12 +81,34 @@ def _max_depth(raw: np.ndarray) -> int:  # pragma: no cover - compiled
                 deepest = depth
         elif c == 0x5D or c == 0x7D:  # ] }
             depth -= 1
-    return deepest
+        elif 0x30 <= c <= 0x39:  # a run of digits
+            j = i
+            while j < n and 0x30 <= raw[j] <= 0x39:
+                j += 1
+            before = raw[i - 1] if i > 0 else 0x20
+            if before == 0x2B or before == 0x2D:  # a sign: an exponent's if an e precedes it
+                before = raw[i - 2] if i > 1 else 0x20
+            after = raw[j] if j < n else 0x20
+            fraction_or_exponent = before == 0x2E or before == 0x65 or before == 0x45  # . e E
+            float_part = after == 0x2E or after == 0x65 or after == 0x45
+            if not fraction_or_exponent and not float_part and j - i > longest:
+                longest = j - i
+            i = j
+            continue
+        i += 1
+    return deepest, longest
 
 
 def _depth(raw: bytes) -> int:
     """Deepest bracket nesting, strings excluded; linear, no recursion."""
-    return int(_max_depth(np.frombuffer(raw, dtype=np.uint8))) if raw else 0
+    return _scan_bytes(raw)[0]
+
+
+def _scan_bytes(raw: bytes) -> tuple[int, int]:
+    if not raw:
+        return 0, 0
+    deepest, longest = _scan(np.frombuffer(raw, dtype=np.uint8))
+    return int(deepest), int(longest)
 
 
 def _check_strings(value: Any) -> None:
@@ -121,14 +148,15 @@ def load_json(raw: bytes | str, what: str) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{what}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    depth = _depth(data)
+    depth, digits = _scan_bytes(data)
     if depth > MAX_DEPTH:
         raise FormatError(f"{what}: JSON nested {depth} levels deep (at most {MAX_DEPTH})")
     try:
+        if digits > MAX_INT_DIGITS:  # found by the scan, so that json's own (C) integer parser reads the rest
+            _parse_int("7" * digits)
         obj = json.loads(
             text,
             object_pairs_hook=_pairs,
-            parse_int=_parse_int,
             parse_float=_parse_float,
             parse_constant=_refuse_constant,
         )
