@@ -301,7 +301,8 @@ def _v2_to_v1(m: dict[str, Any]) -> None:
         else:
             reg = {"offsets": region[0], "sizes": region[1]}
         _need(isinstance(data, list) and len(data) == 5, f"items[{i}] data")
-        it = {"tensor": names[t], "region": reg, "op": op, "count": count, "pre": pre, "post": post, **opt}
+        it = {"tensor": names[t], "region": reg, "op": op, "count": count, "pre": pre, "post": post}
+        it.update({k: opt[k] for k in ("residual", "changed") if k in opt})  # others are ignored
         it["data"] = {"block": data[0], "offset": data[1], "length": data[2], "positions_length": data[3]}
         it["data"].update(digest=data[4], _hex=32)
         if repair is not None:
