@@ -30,7 +30,7 @@ def as_major(manifest: Manifest, root: Path, major: int) -> Manifest:
         dataclasses.replace(it, data=resign(it.data), repair=None if it.repair is None else resign(it.repair))
         for it in manifest.items
     ]
-    return dataclasses.replace(manifest, items=items, major=major)
+    return dataclasses.replace(manifest, items=items, major=major, raw=None)
 
 
 def manifest_v1(delta: Path, rewrite: bool = True) -> dict[str, Any]:

@@ -252,7 +252,7 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
         extra={"residual_tensors": residual} if residual else {},
         major=objs[0].get("delta_major", 1),  # a part without it is from a 1.x writer: full section digests
     )
-    raw = manifest.to_json_bytes()
+    raw = manifest.raw = manifest.to_json_bytes()
     parse_manifest(raw)  # the same checks a reader makes, overlap included, before anything is published
     write_atomic(out / MANIFEST_NAME, raw)
     fsync_dir(out)

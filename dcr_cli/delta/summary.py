@@ -33,7 +33,7 @@ class DiffSummary:
 
 
 def summarize(path: Path, manifest: Manifest) -> DiffSummary:
-    raw = manifest.to_json_bytes()
+    raw = manifest.file_bytes()
     return DiffSummary(
         delta=str(path),
         delta_id=digest_bytes(raw),

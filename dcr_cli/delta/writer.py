@@ -179,7 +179,8 @@ class DeltaWriter:
                 extra=dict(extra or {}),
                 major=self.major,
             )
-            self.commit(MANIFEST_NAME, manifest.to_json_bytes())
+            manifest.raw = manifest.to_json_bytes()
+            self.commit(MANIFEST_NAME, manifest.raw)
             return manifest
 
     def abort(self) -> None:

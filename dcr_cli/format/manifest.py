@@ -258,6 +258,13 @@ class Manifest:
     minor: int = FORMAT_MINOR
     extra: dict[str, Any] = field(default_factory=dict)  # unknown optional fields, kept verbatim
     major: int = FORMAT_MAJOR  # 1: plain JSON (delta-v1.md); 2: compact JSON in one zstd frame (delta-v2.md)
+    # The manifest.json bytes this manifest was parsed from or written as (set by parse_manifest and
+    # DeltaWriter), so that a summary need not encode and compress it again; never compared.
+    raw: bytes | None = field(default=None, compare=False, repr=False)
+
+    def file_bytes(self) -> bytes:
+        """The bytes of its manifest.json: those it was read from or written as, else encoded now."""
+        return self.raw if self.raw is not None else self.to_json_bytes()
 
     @property
     def format_version(self) -> str:
@@ -490,6 +497,7 @@ def _parse_manifest(raw: bytes) -> Manifest:
         minor=minor,
         extra={k: v for k, v in obj.items() if k not in known},
         major=major,
+        raw=bytes(raw),
     )
 
 
