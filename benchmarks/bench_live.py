@@ -87,6 +87,7 @@ def main() -> None:
 
     from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
     from dcr_cli.format.digest import digest_bytes
+    from dcr_cli.format.manifest import manifest_json
     from dcr_cli.produce import diff
     from dcr_cli.produce.live import _int_view, diff_tensors
 
@@ -143,7 +144,7 @@ def main() -> None:
         for label, fn in runs:
             results[label] = min(results.get(label, 1e9), best(fn, 1))
     lives, files = sorted(scratch.glob("live-*")), sorted(scratch.glob("file-*"))
-    m1, m2 = (json.loads((d / "manifest.json").read_bytes()) for d in (lives[0], files[0]))
+    m1, m2 = (json.loads(manifest_json((d / "manifest.json").read_bytes())) for d in (lives[0], files[0]))
     m1.pop("created"), m2.pop("created")
     assert m1 == m2, "the live delta differs from dcr diff's"
     print(f"{nbytes / 2**20:.0f} MiB BF16, {args.rate:.1%} changed, device {dev}, {len(new)} tensors")
