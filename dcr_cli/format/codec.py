@@ -13,6 +13,7 @@ what lets zstd get close to the entropy of the change.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +32,30 @@ DEFAULT_LEVEL: int | None = None
 DENSE_TRIAL_RATE = 0.25
 
 
+_CONTEXTS = threading.local()
+
+
 def _compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level`` (a zstd context is not thread-safe, and building one
+    costs more than compressing a small section; one-shot output does not depend on reuse)."""
+    cache: dict[int | None, zstandard.ZstdCompressor] | None = getattr(_CONTEXTS, "compressors", None)
+    if cache is None:
+        cache = _CONTEXTS.compressors = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = new_compressor(level)
+    return cctx
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx: zstandard.ZstdDecompressor | None = getattr(_CONTEXTS, "decompressor", None)
+    if dctx is None:
+        dctx = _CONTEXTS.decompressor = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def new_compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """A fresh compressor for ``level``: None selects dcr's tuned parameters."""
     if level is None:
         # Byte planes of sparse changes are low-entropy but nearly memoryless:
         # zstd's default levels spend bits on short, useless matches. A small
@@ -117,7 +141,7 @@ def decompress_bounded(frame: bytes | memoryview, least: int, most: int, what: s
         raise IntegrityError(f"{what}: frame declares {declared} bytes, manifest allows {least}..{most}")
     _check_single_frame(frame, what)
     try:
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared)
+        out = _decompressor().decompress(frame, max_output_size=declared)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"{what}: corrupt zstd frame ({exc})") from None
     if len(out) != declared:

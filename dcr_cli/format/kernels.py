@@ -18,6 +18,8 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 # Words compared per group: their changed-or-not bits make one 64-bit mask.
 GROUP_WORDS = 64
+# Arrays of at most this many elements are scanned with outputs for all of them (no regrowth).
+SMALL_SCAN = 1 << 15
 
 
 def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
@@ -91,8 +93,10 @@ def scan_changes(
     scan_words = _SCAN_WORDS[lanes]
     base_words, new_words = base[:full].view(np.uint64), new[:full].view(np.uint64)
     n_words = len(base_words)
-    # Sized for a sparse change; a dense one grows it a few times (amortized, like a list).
-    capacity = min(n, max(GROUP_WORDS * lanes, n // 16))
+    # Sized for a sparse change; a dense one grows it a few times (amortized, like a list). A small
+    # array gets room for every element: the kernel stops before a group that might not fit, and
+    # growing and resuming costs more than the scan of a few thousand elements.
+    capacity = n if n <= SMALL_SCAN else max(GROUP_WORDS * lanes, n // 16)
     positions = np.empty(capacity, dtype=np.int64)
     masks = np.empty(capacity, dtype=base.dtype)
     news = np.empty(capacity, dtype=base.dtype)

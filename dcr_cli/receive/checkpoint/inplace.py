@@ -181,12 +181,36 @@ class InPlaceFiles:
         self.close()
 
 
+# Tensors up to SMALL_TENSOR_BYTES are hashed in batches of about BATCH_BYTES (or BATCH_TENSORS), one
+# pool task each: a task per tensor of a few KiB costs more than hashing it.
+SMALL_TENSOR_BYTES = 256 << 10
+BATCH_BYTES = 4 << 20
+BATCH_TENSORS = 512
+
+
 def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
     """The tensor table of ``names`` (default: every tensor), hashed on the pool, largest tensors first."""
-    chosen = sorted(files.locations if names is None else names, key=lambda n: -files.locations[n].nbytes)
+    locations = files.locations
+    chosen = sorted(locations if names is None else names, key=lambda n: -locations[n].nbytes)
 
-    def task(name: str) -> Callable[[], tuple[str, str]]:
-        return lambda: (name, files.digest(name))
+    def batches() -> Iterable[list[str]]:
+        batch: list[str] = []
+        nbytes = 0
+        for name in chosen:
+            size = locations[name].nbytes
+            if size > SMALL_TENSOR_BYTES:
+                yield [name]
+                continue
+            batch.append(name)
+            nbytes += size
+            if nbytes >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
+                yield batch
+                batch, nbytes = [], 0
+        if batch:
+            yield batch
 
-    digests = dict(ordered_parallel((task(n) for n in chosen), workers))
-    return {n: TensorEntry(files.locations[n].dtype, files.locations[n].shape, digests[n]) for n in sorted(digests)}
+    def task(batch: list[str]) -> Callable[[], list[tuple[str, str]]]:
+        return lambda: [(name, files.digest(name)) for name in batch]
+
+    digests = dict(pair for done in ordered_parallel((task(b) for b in batches()), workers) for pair in done)
+    return {n: TensorEntry(locations[n].dtype, locations[n].shape, digests[n]) for n in sorted(digests)}
