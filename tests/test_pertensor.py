@@ -278,3 +278,37 @@ def test_inspect_json_is_what_asdict_gave(tmp_path: Path) -> None:
     got = report.to_json()
     assert got == expected and list(got) == list(expected)
     assert [list(r) for r in got["tensors"]] == [list(r) for r in expected["tensors"]]
+
+
+def _reference_positions(raw: np.ndarray, count: int) -> np.ndarray | None:
+    """The numpy decoder the compiled one replaced (None where it refused the bytes)."""
+    gaps = raw[:count].astype(np.int64)
+    escaped = np.flatnonzero(gaps == 255)
+    if len(raw) != count + 4 * len(escaped):
+        return None
+    rest = np.ascontiguousarray(raw[count:].reshape(4, -1).T).reshape(-1).view("<u4").astype(np.int64)
+    gaps[escaped] += rest
+    return np.cumsum(gaps + 1) - 1
+
+
+def test_compiled_gap_decoder_matches_the_numpy_one() -> None:
+    from dcr_cli.format.kernels import escaped_gaps, positions_from_gaps
+
+    rng = np.random.default_rng(8)
+    for trial in range(300):
+        count = int(rng.integers(0, 40))
+        spread = [3, 300, 70_000, 2**31][trial % 4]
+        positions = np.unique(rng.integers(0, spread, size=count)).astype(np.int64)
+        raw = escaped_gaps(positions)
+        out, escapes = positions_from_gaps(raw, len(positions))
+        assert escapes == int(np.count_nonzero(raw[: len(positions)] == 255))
+        assert np.array_equal(out, positions) and np.array_equal(out, _reference_positions(raw, len(positions)))
+        # damaged lengths are refused exactly where the numpy decoder refused them
+        for bad in (raw[:-1], np.concatenate([raw, np.zeros(int(rng.integers(1, 5)), np.uint8)])):
+            if len(bad) < len(positions):
+                continue
+            got, esc = positions_from_gaps(bad, len(positions))
+            ref = _reference_positions(bad, len(positions))
+            assert (esc < 0) == (ref is None)
+            if ref is not None:
+                assert np.array_equal(got, ref)

@@ -23,7 +23,7 @@ import zstandard
 from ..errors import IntegrityError
 from .digest import digest_bytes
 from .dtypes import DType
-from .kernels import ESCAPE, byte_planes, escaped_gaps, scan_changes
+from .kernels import byte_planes, escaped_gaps, positions_from_gaps, scan_changes
 from .manifest import Op, Region
 
 # None selects dcr's tuned parameters; an int selects that standard zstd level.
@@ -159,12 +159,10 @@ def encode_positions(positions: np.ndarray, level: int | None = DEFAULT_LEVEL) -
 
 def decode_positions(frame: bytes | memoryview, count: int, region_size: int, what: str) -> np.ndarray:
     raw = decompress_bounded(frame, count, 5 * count, what + " positions")
-    gaps = raw[:count].astype(np.int64)
-    escaped = np.flatnonzero(gaps == ESCAPE)
-    if len(raw) != count + 4 * len(escaped):
-        raise IntegrityError(f"{what} positions: {len(escaped)} escapes need {count + 4 * len(escaped)} bytes")
-    gaps[escaped] += _from_planes(raw[count:], np.dtype("<u4")).astype(np.int64)
-    positions = np.cumsum(gaps + 1) - 1
+    positions, escapes = positions_from_gaps(raw, count)
+    if escapes < 0:
+        escapes = -escapes - 1
+        raise IntegrityError(f"{what} positions: {escapes} escapes need {count + 4 * escapes} bytes")
     if count and positions[-1] >= region_size:
         raise IntegrityError(f"{what}: a position lies outside its region of {region_size} elements")
     return positions

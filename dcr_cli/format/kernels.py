@@ -159,6 +159,42 @@ def _escaped_gaps(positions, out):
 ESCAPE = 255
 
 
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _positions_from_gaps(raw, count, out):  # pragma: no cover - compiled
+    # Escaped gaps (delta-v1 §6.1) back to positions, in one pass each over the gaps and escapes.
+    # Returns the number of escapes, or -(escapes + 1) when the bytes after the gaps are not 4 per escape.
+    escapes = 0
+    for t in range(count):
+        if raw[t] == ESCAPE:
+            escapes += 1
+    if raw.shape[0] != count + 4 * escapes:
+        return -(escapes + 1)
+    e = 0
+    last = np.int64(-1)
+    for t in range(count):
+        gap = np.int64(raw[t])
+        if gap == ESCAPE:
+            gap += (
+                np.int64(raw[count + e])
+                | (np.int64(raw[count + escapes + e]) << 8)
+                | (np.int64(raw[count + 2 * escapes + e]) << 16)
+                | (np.int64(raw[count + 3 * escapes + e]) << 24)
+            )
+            e += 1
+        last += gap + 1
+        out[t] = last
+    return escapes
+
+
+def positions_from_gaps(raw: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """(positions, escapes) from ``count`` escaped gaps and their escapes' byte planes (the inverse of
+    ``escaped_gaps``); escapes is negative, -(escapes + 1), when ``raw`` has not 4 bytes per escape."""
+    out = np.empty(count, dtype=np.int64)
+    if count == 0:
+        return out, (0 if raw.shape[0] == 0 else -1)
+    return out, int(_positions_from_gaps(raw, count, out))
+
+
 def escaped_gaps(positions: np.ndarray) -> np.ndarray:
     """Strictly increasing positions coded as escaped gaps (format_spec/delta-v1.md §6.1)."""
     out = np.empty(5 * len(positions), dtype=np.uint8)
