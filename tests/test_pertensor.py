@@ -312,3 +312,26 @@ def test_compiled_gap_decoder_matches_the_numpy_one() -> None:
             assert (esc < 0) == (ref is None)
             if ref is not None:
                 assert np.array_equal(got, ref)
+
+
+def test_fewer_collections_nests_and_restores_the_thresholds() -> None:
+    import gc
+
+    from dcr_cli.io.gc_pause import YOUNG, fewer_collections
+
+    before = gc.get_threshold()
+    with fewer_collections():
+        assert gc.get_threshold()[0] == max(before[0], YOUNG)
+        with fewer_collections():
+            assert gc.get_threshold()[0] == max(before[0], YOUNG)
+        assert gc.get_threshold()[0] == max(before[0], YOUNG)  # the inner exit does not restore early
+    assert gc.get_threshold() == before
+    with pytest.raises(RuntimeError), fewer_collections():
+        raise RuntimeError("restored on errors too")
+    assert gc.get_threshold() == before
+    gc.set_threshold(0)  # a caller that turned automatic collection off keeps it off
+    try:
+        with fewer_collections():
+            assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from ..io.gc_pause import fewer_collections
 from .reader import Delta
 
 
@@ -70,6 +71,7 @@ class DeltaReport:
         return obj
 
 
+@fewer_collections()
 def inspect(delta: str | os.PathLike[str], *, changed_only: bool = False) -> DeltaReport:
     """Read a delta's manifest (no blocks are read) and summarize it."""
     d = Delta.open(delta)

@@ -30,6 +30,7 @@ from ..format.digest import StreamingDigest, digest_bytes
 from ..format.dtypes import numel
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
+from ..io.gc_pause import fewer_collections
 from ..io.pool import default_workers, ordered_stream
 from .plan import (
     CHUNK_BYTES,
@@ -268,6 +269,7 @@ class _ResidualStream:
         return self.digests[0].hexdigest(), self.digests[1].hexdigest()
 
 
+@fewer_collections()
 def execute(
     plan: Plan,
     base: Side,
@@ -568,6 +570,7 @@ def _close(src: Any) -> None:
         src.close()
 
 
+@fewer_collections()
 def diff(
     base: str | os.PathLike[str],
     new: str | os.PathLike[str],

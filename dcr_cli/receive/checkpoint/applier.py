@@ -33,6 +33,7 @@ from ...delta.reader import Delta, DeltaLike, open_deltas
 from ...errors import IncompatibleError, IntegrityError, VerifyFailed
 from ...format.digest import digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
+from ...io.gc_pause import fewer_collections
 from ...io.pool import Inline, default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .inplace import InPlaceFiles, Run, digest_tensors, runs_of
@@ -380,6 +381,7 @@ def _establish(
     return _Start(fp, _label(fp, opened), table, None, []), state
 
 
+@fewer_collections()
 def apply(
     deltas: DeltaLike | Sequence[DeltaLike],
     *,
