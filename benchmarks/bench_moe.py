@@ -19,7 +19,8 @@ positions. Measured by running the real commands (``python -m dcr_cli``), the be
   (per unchanged = M(identity) / tensors; per changed = (M(step) - M(identity)) / changed + that);
 * the manifest's share of what a receiver downloads (manifest + data blocks);
 * per-tensor overhead of ``diff``, ``apply --into`` (steady state: the receiver was primed),
-  ``verify --against`` and ``inspect``: (t(per-expert) - t(fused)) / (tensors(per-expert) - tensors(fused));
+  ``verify --against`` and ``inspect``: (t(per-expert) - t(fused)) / (tensors(per-expert) - tensors(fused)),
+  in wall time and in CPU time (user + system of the process, all threads: steadier on a shared machine);
 * with profiling on (the default), where the time goes: cProfile of each command on the per-expert
   checkpoint, every thread included (benchmarks/harness.py profile), top entries by own time.
 
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -68,6 +71,13 @@ def best(procs: list[Proc]) -> float:
     return min(p.seconds for p in procs)
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children: a run's CPU time is the
+    difference around it, which a machine shared with other work disturbs far less than wall time."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Layout:
     def __init__(self, name: str, root: Path, specs: list[corpus.Spec], rate: float, work: Path) -> None:
         self.name = name
@@ -81,6 +91,7 @@ class Layout:
         self.identity = self.work / "identity"
         self.recv = self.work / "recv"
         self.times: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}  # CPU seconds of the same runs (user + system, every thread)
         self.summary: dict[str, Any] = {}
         self.identity_summary: dict[str, Any] = {}
 
@@ -125,12 +136,16 @@ class Layout:
         self.identity_summary = json.loads(run(self.diff_argv(self.identity, target=0)).check().stdout)
         for command in COMMANDS:
             procs = []
+            cpu = []
             for _ in range(repeats):
                 self.before(command)
+                before = children_cpu()
                 procs.append(run(self.argv(command)).check())
+                cpu.append(children_cpu() - before)
                 if command == "apply":
                     run(dcr("verify", str(self.recv), "--against", str(self.delta))).check()  # bit-exact, untimed
             self.times[command] = best(procs)
+            self.cpu[command] = min(cpu)
 
     def profile(self, command: str, out: Path, top: int) -> list[str]:
         self.before(command)
@@ -208,13 +223,22 @@ def main() -> None:
             f"\nper-tensor overhead: (t({many.tensors} tensors) - t({fused.tensors} tensors, same bytes)) / {extra}, "
             f"best of {args.repeats}"
         )
-        print(f"{'command':<8} {'per-expert s':>12} {'fused s':>9} {'ms/tensor':>10} {'target':>7}")
-        overhead = {}
+        print(
+            f"{'command':<8} {'per-expert s':>12} {'fused s':>9} {'ms/tensor':>10} {'target':>7}"
+            f"     {'cpu: per-expert s':>17} {'fused s':>8} {'ms/tensor':>10}"
+        )
+        overhead, cpu_overhead = {}, {}
         for command in COMMANDS:
             a, b = many.times[command], fused.times[command]
             overhead[command] = (a - b) / extra * 1e3
+            ca, cb = many.cpu[command], fused.cpu[command]
+            cpu_overhead[command] = (ca - cb) / extra * 1e3
             ok = "ok" if overhead[command] <= 0.05 else "MISS"
-            print(f"{command:<8} {a:12.2f} {b:9.2f} {overhead[command]:10.3f} {'0.05':>5} {ok}")
+            print(
+                f"{command:<8} {a:12.2f} {b:9.2f} {overhead[command]:10.3f} {'0.05':>5} {ok:<4}"
+                f"     {ca:17.2f} {cb:8.2f} {cpu_overhead[command]:10.3f}"
+            )
+        print(f"(load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores)")
 
         profiles: dict[str, list[str]] = {}
         if args.profile:
@@ -240,6 +264,8 @@ def main() -> None:
                         "per_changed_bytes": per_changed,
                         "times": {"per-expert": many.times, "fused": fused.times},
                         "ms_per_tensor": overhead,
+                        "cpu_seconds": {"per-expert": many.cpu, "fused": fused.cpu},
+                        "cpu_ms_per_tensor": cpu_overhead,
                         "profiles": profiles,
                     },
                     indent=1,

@@ -512,6 +512,7 @@ def test_a_cancelled_item_never_masks_the_real_error(
     """Item 0 is still preparing when item 1's write fails with ENOSPC: item 0 is cancelled, ENOSPC is reported."""
     recv, delta, v1 = versions
     monkeypatch.setattr(apply_module, "PREPARED_BYTES", 0)  # every item is prepared again in the write pass
+    monkeypatch.setattr(apply_module, "BATCH_ITEMS", 1)  # items 0 and 1 in tasks of their own, on two workers
     failed = threading.Event()
     real_prepare, real_write = apply_module.prepare_item, inplace._write_values
     first = Delta.open(delta).manifest.items[0]

@@ -112,3 +112,31 @@ def test_profile_that_does_not_match_fails_closed(dense: Path, tmp_path: Path) -
         diff(dense / "base" / "torch_dist", dense / "target" / "torch_dist", tmp_path / "d", profile=cfg)
     with pytest.raises(IncompatibleError, match="--profile"):
         diff(dense / "base" / "torch_dist", dense / "target" / "torch_dist", tmp_path / "d")
+
+
+def test_singleton_local_shards_layout_is_named_not_blamed_on_the_profile() -> None:
+    """megatron-core's singleton_local_shards layout (per-layer keys, fc1 split in _w/_v, a key per expert)
+    used to be refused as a key "missing (does --profile match the model?)"; the message names the layout."""
+    from types import SimpleNamespace
+
+    from dcr_cli.checkpoints.megatron import megatron_canonical
+
+    def t(*shape: int) -> SimpleNamespace:
+        return SimpleNamespace(dtype="BF16", shape=shape)
+
+    stored = {
+        "embedding.word_embeddings.weight": t(50, 16),
+        "output_layer.weight": t(50, 16),
+        "decoder.final_layernorm.weight": t(16),
+        **{f"decoder.layers.{i}.self_attention.linear_qkv.weight": t(64, 16) for i in range(2)},
+        **{f"decoder.layers.{i}.mlp.experts.{e}.linear_fc1.weight_w": t(24, 16) for i in range(2) for e in range(4)},
+    }
+    reader = SimpleNamespace(stored=stored, root="ckpt")
+    with pytest.raises(IncompatibleError, match="singleton_local_shards") as info:
+        megatron_canonical(reader, MOE)  # type: ignore[arg-type]
+    assert "does --profile match" not in str(info.value) and "decoder.layers.0." in str(info.value)
+    # the default layout with a key really missing still says so
+    for k in [k for k in stored if k.startswith("decoder.layers.") and k[15].isdigit()]:
+        del stored[k]
+    with pytest.raises(IncompatibleError, match="does --profile match"):
+        megatron_canonical(reader, MOE)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import numel
 from ..format.strict_json import load_json
-from .safetensors_dir import read_header
+from .safetensors_dir import parse_header, read_header, read_raw_header
 from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint, release_pages
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -38,7 +38,12 @@ def shard_files(path: Path) -> list[Path]:
 
 def _has_sharding_info(file: Path) -> bool:
     try:
-        header, _ = read_header(file)
+        raw, _ = read_raw_header(file)
+        # The key must appear in the bytes, literally or written with JSON escapes: without either, no
+        # need to parse (an HF checkpoint's header of 100k tensors is parsed once, when it is opened).
+        if SHARDING_KEY.encode() not in raw and b"\\" not in raw:
+            return False
+        header = parse_header(file, raw)
     except FormatError:
         return False
     return SHARDING_KEY in (header.get("__metadata__") or {})

@@ -105,6 +105,19 @@ def _cast(src: str, dst: str, add_one: bool) -> Callable[[np.ndarray], np.ndarra
     return convert
 
 
+# Keys only megatron-core's ``singleton_local_shards`` layout writes: layers not stacked (one key per
+# layer index), SwiGLU fc1 split into ``_w``/``_v`` tensors, experts under their own global keys.
+_SINGLETON_KEY = re.compile(
+    r"decoder\.layers\.\d+\.|linear_fc1\.(weight|bias)\d*_[wv]$|\.experts\.(experts\.)?\d+\.linear_fc[12]\."
+)
+
+
+def singleton_local_shards_key(stored: dict[str, Any], prefix: str) -> str | None:
+    """A stored key of the ``singleton_local_shards`` layout (the first, sorted), or None."""
+    hits = sorted(k for k in stored if k.startswith(prefix) and _SINGLETON_KEY.search(k, len(prefix)))
+    return hits[0] if hits else None
+
+
 def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str, CanonicalTensor]:
     stored = reader.stored
     meg = config.get("megatron") or {}
@@ -139,6 +152,14 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
         for name in names:
             if key(name) in stored:
                 return key(name)
+        singleton = singleton_local_shards_key(stored, prefix)
+        if singleton is not None:
+            raise IncompatibleError(
+                f"{reader.root}: saved with megatron-core's singleton_local_shards layout (per-layer keys, SwiGLU "
+                f"split into _w/_v, one key per expert, e.g. {singleton!r}), which dcr does not read; save with "
+                "the default torch_dist layout (no singleton_local_shards in the sharded_state_dict metadata) "
+                "or export to Hugging Face safetensors and diff those"
+            )
         raise IncompatibleError(
             f"{reader.root}: Megatron key {key(names[0])!r} is missing (does --profile match the model?)"
         )

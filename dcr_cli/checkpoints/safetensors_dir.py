@@ -11,6 +11,8 @@ import itertools
 import mmap
 import os
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,12 @@ def read_header(path: Path) -> tuple[dict, int]:
     entry is type-checked (:func:`check_header_entry`), so callers may use ``dtype``, ``shape`` and
     ``data_offsets`` as they are. ``__metadata__``, if present, is an object of strings.
     """
+    raw, data_start = read_raw_header(path)
+    return parse_header(path, raw), data_start
+
+
+def read_raw_header(path: Path) -> tuple[bytes, int]:
+    """The header's bytes (not parsed) and the offset of the data section."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -70,6 +78,11 @@ def read_header(path: Path) -> tuple[dict, int]:
         raw = f.read(length)
     if len(raw) != length:
         raise FormatError(f"{path}: safetensors header is truncated")
+    return raw, 8 + length
+
+
+def parse_header(path: Path, raw: bytes) -> dict:
+    """:func:`read_header` of header bytes already read."""
     header = load_json(raw, f"{path}: safetensors header")
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
@@ -79,7 +92,7 @@ def read_header(path: Path) -> tuple[dict, int]:
                 raise FormatError(f"{path}: safetensors __metadata__ must map names to strings")
         else:
             check_header_entry(path, name, meta)
-    return header, 8 + length
+    return header
 
 
 def _is_uint(v: object) -> bool:
@@ -149,31 +162,17 @@ class SafetensorsCheckpoint:
     def _add_file(self, file: Path) -> None:
         if not file.exists():
             raise IncompatibleError(f"{file} is listed in the index but missing")
-        header, data_start = read_header(file)
+        raw, data_start = read_raw_header(file)
         size = file.stat().st_size
-        spans: list[tuple[int, int, str]] = []
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            if name in self.tensors:
-                raise FormatError(f"tensor {name!r} appears in two files of {self.root}")
-            try:
-                dt = lookup_dtype(meta["dtype"])
-                shape = tuple(int(s) for s in meta["shape"])
-                begin, end = (int(x) for x in meta["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise FormatError(f"{file}: bad header entry for {name!r}") from None
-            nbytes = numel(shape) * dt.itemsize
-            if any(s < 0 for s in shape) or end - begin != nbytes or data_start + end > size or begin < 0:
-                raise FormatError(f"{file}: data of {name!r} is truncated or inconsistent with its shape")
-            self.tensors[name] = TensorLocation(name, dt.name, shape, file, data_start + begin, nbytes)
-            if nbytes:
-                spans.append((begin, end, name))
-        # Two tensors sharing bytes would let an in-place write to one silently change the other.
-        spans.sort()
-        for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
-            if begin_b < end_a:
-                raise FormatError(f"{file}: the data of {name_a!r} and {name_b!r} overlap (not valid safetensors)")
+        locations = _PARSED.get(file, raw, size)
+        if locations is None:
+            locations = _locations(file, parse_header(file, raw), data_start, size)
+            _PARSED.put(file, raw, size, locations)
+        tensors = self.tensors
+        for loc in locations:
+            if loc.name in tensors:
+                raise FormatError(f"tensor {loc.name!r} appears in two files of {self.root}")
+            tensors[loc.name] = loc
 
     def _map(self, file: Path) -> mmap.mmap:
         m = self._maps.get(file)
@@ -199,9 +198,12 @@ class SafetensorsCheckpoint:
     def cached_digests(self) -> dict[str, str]:
         """Tensor digests remembered for these exact files (see digest_cache); may be partial."""
         out: dict[str, str] = {}
-        for file in {t.file for t in self.tensors.values()}:
+        by_file: dict[Path, list[str]] = {}
+        for n, t in self.tensors.items():  # one pass (Path equality per tensor and file costs ~20 us)
+            by_file.setdefault(t.file, []).append(n)
+        for file, names in by_file.items():
             cached = digest_cache.load(file) if digest_cache.key(file) == self._cache_keys[file] else {}
-            out.update({n: cached[n] for n, t in self.tensors.items() if t.file == file and n in cached})
+            out.update({n: cached[n] for n in names if n in cached})
         return out
 
     def remember_digests(self, digests: dict[str, str]) -> None:
@@ -239,6 +241,70 @@ class SafetensorsCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _locations(file: Path, header: dict, data_start: int, size: int) -> list[TensorLocation]:
+    """The tensors of one parsed header, in header order, checked against the file's size and each other."""
+    out: list[TensorLocation] = []
+    spans: list[tuple[int, int, str]] = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt = lookup_dtype(meta["dtype"])
+            shape = tuple(int(s) for s in meta["shape"])
+            begin, end = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{file}: bad header entry for {name!r}") from None
+        nbytes = numel(shape) * dt.itemsize
+        if any(s < 0 for s in shape) or end - begin != nbytes or data_start + end > size or begin < 0:
+            raise FormatError(f"{file}: data of {name!r} is truncated or inconsistent with its shape")
+        out.append(TensorLocation(name, dt.name, shape, file, data_start + begin, nbytes))
+        if nbytes:
+            spans.append((begin, end, name))
+    # Two tensors sharing bytes would let an in-place write to one silently change the other.
+    spans.sort()
+    for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise FormatError(f"{file}: the data of {name_a!r} and {name_b!r} overlap (not valid safetensors)")
+    return out
+
+
+class _ParsedHeaders:
+    """The tensors of headers parsed before in this process, for files opened again (an apply opens its
+    checkpoint four times; a 100k-tensor header takes ~0.1 s to parse and check). A hit needs the same
+    path, the same header bytes (compared in full) and the same file size, which are all the parse reads,
+    so it returns exactly what parsing again would. Bounded by the bytes of the headers kept."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Path, tuple[bytes, int, list[TensorLocation]]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def get(self, file: Path, raw: bytes, size: int) -> list[TensorLocation] | None:
+        with self._lock:
+            entry = self._entries.get(file)
+            if entry is None or entry[1] != size or entry[0] != raw:
+                return None
+            self._entries.move_to_end(file)
+            return entry[2]
+
+    def put(self, file: Path, raw: bytes, size: int, locations: list[TensorLocation]) -> None:
+        if len(raw) > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(file, None)
+            if old is not None:
+                self._held -= len(old[0])
+            self._entries[file] = (raw, size, locations)
+            self._held += len(raw)
+            while self._held > self.max_bytes:
+                _, (dropped, _, _) = self._entries.popitem(last=False)
+                self._held -= len(dropped)
+
+
+_PARSED = _ParsedHeaders(max_bytes=256 << 20)
 
 
 def layout_mismatch(a: dict[str, tuple[str, tuple[int, ...]]], b: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
+from ..io.gc_pause import fewer_collections
 from .reader import Delta
 
 
@@ -27,6 +28,20 @@ class TensorRow:
     def ratio(self) -> float | None:
         return self.full_bytes / self.payload_bytes if self.payload_bytes else None
 
+    def to_json(self) -> dict:
+        return {
+            "tensor": self.tensor,
+            "dtype": self.dtype,
+            "elements": self.elements,
+            "changed_elements": self.changed_elements,
+            "ops": list(self.ops),
+            "payload_bytes": self.payload_bytes,
+            "full_bytes": self.full_bytes,
+            "residual": self.residual,
+            "change_rate": self.change_rate,
+            "ratio": self.ratio,
+        }
+
 
 @dataclass
 class DeltaReport:
@@ -48,15 +63,15 @@ class DeltaReport:
     full_bytes: int
 
     def to_json(self) -> dict:
-        obj = asdict(self)
+        # Field by field rather than dataclasses.asdict, whose deep copy costs ~20 us a row (100k rows).
+        obj = {f.name: getattr(self, f.name) for f in fields(self)}
+        obj["tensors"] = [row.to_json() for row in self.tensors]
         obj["change_rate"] = self.changed_elements / self.total_elements if self.total_elements else 0.0
         obj["ratio"] = self.full_bytes / (self.payload_bytes + self.manifest_bytes)
-        for row, raw in zip(self.tensors, obj["tensors"], strict=True):
-            raw["change_rate"] = row.change_rate
-            raw["ratio"] = row.ratio
         return obj
 
 
+@fewer_collections()
 def inspect(delta: str | os.PathLike[str], *, changed_only: bool = False) -> DeltaReport:
     """Read a delta's manifest (no blocks are read) and summarize it."""
     d = Delta.open(delta)

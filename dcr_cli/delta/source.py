@@ -26,7 +26,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ..errors import IntegrityError
 from ..format.digest import StreamingDigest
 from ..format.manifest import BLOCKS_DIR, BlockEntry
-from ..io.reading import read_regular_file
+from ..io.reading import RegularFiles, read_regular_file
 
 T = TypeVar("T")
 CHUNK_BYTES = 16 << 20  # one ranged read while a whole block is verified
@@ -41,6 +41,7 @@ class BlockSource:
         self.root = root.rstrip("/") or root
         self.label = label or root
         self.local = isinstance(fs, LocalFileSystem)
+        self._files = RegularFiles()  # local block files stay open across the many small section reads
 
     def path(self, block: BlockEntry) -> str:
         return f"{self.root}/{BLOCKS_DIR}/{block.id}"
@@ -53,7 +54,7 @@ class BlockSource:
         """Bytes ``start:end`` of a block (fewer if the object is shorter); FileNotFoundError if absent."""
         path = self.path(block)
         if self.local:
-            return self.call(lambda: read_regular_file(path, start, end), f"read {path}")
+            return self.call(lambda: self._files.read(path, start, end), f"read {path}")
         return self.call(lambda: bytes(self.fs.cat_file(path, start=start, end=end)), f"read {path}")
 
     def exists(self, block: BlockEntry) -> bool:

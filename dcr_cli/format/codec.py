@@ -13,6 +13,7 @@ what lets zstd get close to the entropy of the change.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import zstandard
 from ..errors import IntegrityError
 from .digest import digest_bytes
 from .dtypes import DType
-from .kernels import ESCAPE, byte_planes, escaped_gaps, scan_changes
+from .kernels import byte_planes, escaped_gaps, positions_from_gaps, scan_changes
 from .manifest import Op, Region
 
 # None selects dcr's tuned parameters; an int selects that standard zstd level.
@@ -31,7 +32,30 @@ DEFAULT_LEVEL: int | None = None
 DENSE_TRIAL_RATE = 0.25
 
 
+_CONTEXTS = threading.local()
+
+
 def _compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level`` (a zstd context is not thread-safe, and building one
+    costs more than compressing a small section; one-shot output does not depend on reuse)."""
+    cache: dict[int | None, zstandard.ZstdCompressor] | None = getattr(_CONTEXTS, "compressors", None)
+    if cache is None:
+        cache = _CONTEXTS.compressors = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = new_compressor(level)
+    return cctx
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx: zstandard.ZstdDecompressor | None = getattr(_CONTEXTS, "decompressor", None)
+    if dctx is None:
+        dctx = _CONTEXTS.decompressor = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def new_compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """A fresh compressor for ``level``: None selects dcr's tuned parameters."""
     if level is None:
         # Byte planes of sparse changes are low-entropy but nearly memoryless:
         # zstd's default levels spend bits on short, useless matches. A small
@@ -117,7 +141,7 @@ def decompress_bounded(frame: bytes | memoryview, least: int, most: int, what: s
         raise IntegrityError(f"{what}: frame declares {declared} bytes, manifest allows {least}..{most}")
     _check_single_frame(frame, what)
     try:
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared)
+        out = _decompressor().decompress(frame, max_output_size=declared)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"{what}: corrupt zstd frame ({exc})") from None
     if len(out) != declared:
@@ -135,12 +159,10 @@ def encode_positions(positions: np.ndarray, level: int | None = DEFAULT_LEVEL) -
 
 def decode_positions(frame: bytes | memoryview, count: int, region_size: int, what: str) -> np.ndarray:
     raw = decompress_bounded(frame, count, 5 * count, what + " positions")
-    gaps = raw[:count].astype(np.int64)
-    escaped = np.flatnonzero(gaps == ESCAPE)
-    if len(raw) != count + 4 * len(escaped):
-        raise IntegrityError(f"{what} positions: {len(escaped)} escapes need {count + 4 * len(escaped)} bytes")
-    gaps[escaped] += _from_planes(raw[count:], np.dtype("<u4")).astype(np.int64)
-    positions = np.cumsum(gaps + 1) - 1
+    positions, escapes = positions_from_gaps(raw, count)
+    if escapes < 0:
+        escapes = -escapes - 1
+        raise IntegrityError(f"{what} positions: {escapes} escapes need {count + 4 * escapes} bytes")
     if count and positions[-1] >= region_size:
         raise IntegrityError(f"{what}: a position lies outside its region of {region_size} elements")
     return positions

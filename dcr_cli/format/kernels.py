@@ -18,6 +18,8 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 # Words compared per group: their changed-or-not bits make one 64-bit mask.
 GROUP_WORDS = 64
+# Arrays of at most this many elements are scanned with outputs for all of them (no regrowth).
+SMALL_SCAN = 1 << 15
 
 
 def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
@@ -91,8 +93,10 @@ def scan_changes(
     scan_words = _SCAN_WORDS[lanes]
     base_words, new_words = base[:full].view(np.uint64), new[:full].view(np.uint64)
     n_words = len(base_words)
-    # Sized for a sparse change; a dense one grows it a few times (amortized, like a list).
-    capacity = min(n, max(GROUP_WORDS * lanes, n // 16))
+    # Sized for a sparse change; a dense one grows it a few times (amortized, like a list). A small
+    # array gets room for every element: the kernel stops before a group that might not fit, and
+    # growing and resuming costs more than the scan of a few thousand elements.
+    capacity = n if n <= SMALL_SCAN else max(GROUP_WORDS * lanes, n // 16)
     positions = np.empty(capacity, dtype=np.int64)
     masks = np.empty(capacity, dtype=base.dtype)
     news = np.empty(capacity, dtype=base.dtype)
@@ -153,6 +157,42 @@ def _escaped_gaps(positions, out):
 
 
 ESCAPE = 255
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _positions_from_gaps(raw, count, out):  # pragma: no cover - compiled
+    # Escaped gaps (delta-v1 §6.1) back to positions, in one pass each over the gaps and escapes.
+    # Returns the number of escapes, or -(escapes + 1) when the bytes after the gaps are not 4 per escape.
+    escapes = 0
+    for t in range(count):
+        if raw[t] == ESCAPE:
+            escapes += 1
+    if raw.shape[0] != count + 4 * escapes:
+        return -(escapes + 1)
+    e = 0
+    last = np.int64(-1)
+    for t in range(count):
+        gap = np.int64(raw[t])
+        if gap == ESCAPE:
+            gap += (
+                np.int64(raw[count + e])
+                | (np.int64(raw[count + escapes + e]) << 8)
+                | (np.int64(raw[count + 2 * escapes + e]) << 16)
+                | (np.int64(raw[count + 3 * escapes + e]) << 24)
+            )
+            e += 1
+        last += gap + 1
+        out[t] = last
+    return escapes
+
+
+def positions_from_gaps(raw: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """(positions, escapes) from ``count`` escaped gaps and their escapes' byte planes (the inverse of
+    ``escaped_gaps``); escapes is negative, -(escapes + 1), when ``raw`` has not 4 bytes per escape."""
+    out = np.empty(count, dtype=np.int64)
+    if count == 0:
+        return out, (0 if raw.shape[0] == 0 else -1)
+    return out, int(_positions_from_gaps(raw, count, out))
 
 
 def escaped_gaps(positions: np.ndarray) -> np.ndarray:

@@ -17,21 +17,43 @@ def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
+class Inline(Generic[T]):
+    """A task for ``ordered_parallel`` to run on the consuming thread, in its turn, not on the pool.
+
+    For work that holds the GIL almost throughout (a batch of tiny items: many small reads, decodes
+    and digests): on the pool two such tasks only take turns at the GIL, and each turn is a thread
+    hand-off. Inline, it runs while the pool works on the larger tasks submitted around it.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> T:
+        return self.fn()
+
+
 def ordered_parallel(tasks: Iterable[Callable[[], T]], workers: int) -> Iterator[T]:
     """Run tasks on a thread pool, yielding results in submission order.
 
     At most 2 x workers tasks are in flight, which bounds memory when tasks are
     alike. Threads suffice: numpy, zstd and BLAKE3 release the GIL for the heavy
     work. Tasks of very different sizes take ``ordered_stream`` and a byte budget.
+    An :class:`Inline` task runs on the calling thread when its result is due.
     """
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        window: deque[Future[T]] = deque()
+        window: deque[Future[T] | Inline[T]] = deque()
         for task in tasks:
-            window.append(pool.submit(task))
+            window.append(task if isinstance(task, Inline) else pool.submit(task))
             if len(window) >= 2 * workers:
-                yield window.popleft().result()
+                yield _settle(window.popleft())
         while window:
-            yield window.popleft().result()
+            yield _settle(window.popleft())
+
+
+def _settle(entry: Future[T] | Inline[T]) -> T:
+    return entry() if isinstance(entry, Inline) else entry.result()
 
 
 class _Slot(Generic[T]):

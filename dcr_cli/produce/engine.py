@@ -30,6 +30,7 @@ from ..format.digest import StreamingDigest, digest_bytes
 from ..format.dtypes import numel
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
+from ..io.gc_pause import fewer_collections
 from ..io.pool import default_workers, ordered_stream
 from .plan import (
     CHUNK_BYTES,
@@ -100,6 +101,29 @@ class HfSide:
         if loc.nbytes:
             release_pages(self.ckpt._map(loc.file), loc.start, loc.nbytes)
 
+    def release_tensors(self, names: Sequence[str]) -> None:
+        """``release_tensor`` of a batch of small tensors: one unmap per file over the span they cover
+        where that span is about their own size (tensors of a batch are usually neighbours in the file)."""
+        spans: dict[Path, list[int]] = {}
+        total: dict[Path, int] = {}
+        for name in names:
+            loc = self.ckpt.tensors[name]
+            if not loc.nbytes:
+                continue
+            span = spans.get(loc.file)
+            if span is None:
+                spans[loc.file] = [loc.start, loc.start + loc.nbytes]
+            else:
+                span[0], span[1] = min(span[0], loc.start), max(span[1], loc.start + loc.nbytes)
+            total[loc.file] = total.get(loc.file, 0) + loc.nbytes
+        for file, (lo, hi) in spans.items():
+            if hi - lo <= 2 * total[file] + (64 << 10):
+                release_pages(self.ckpt._map(file), lo, hi - lo)
+            else:
+                for name in names:
+                    if self.ckpt.tensors[name].file == file:
+                        self.release_tensor(name)
+
 
 def numpy_scan(level: int | None) -> Scan:
     """The CPU scan: numba's change kernel over numpy views (``format.codec.diff_region``)."""
@@ -126,6 +150,15 @@ def band_of(arr: Any, band: Band) -> Any:
 # The scan hashes the target (and a base without a cached digest) tile by tile, while the tile
 # is still in cache: about L2-sized, of the target's bytes.
 TILE_BYTES = 256 << 10
+# Tensors up to SMALL_TENSOR_BYTES are diffed in batches of consecutive ones, one pool task per
+# batch of about BATCH_BYTES (or BATCH_TENSORS): an MoE checkpoint has 100k tensors of a few KiB,
+# and a task per tensor costs more in scheduling and thread hand-offs than its scan. A batch emits
+# exactly the items its tensors would alone, in the same order (the delta is byte-identical).
+SMALL_TENSOR_BYTES = 256 << 10
+BATCH_BYTES = 4 << 20
+BATCH_TENSORS = 512
+# A tensor's hashing is pipelined on a helper thread only when it is at least this large.
+PIPELINE_MIN_BYTES = 4 << 20
 # Bytes of anonymous memory the tasks in flight may hold, per worker (ordered_stream's budget);
 # a task larger than the whole budget runs alone, so peak memory is O(largest task), not O(model).
 BUDGET_PER_WORKER = 128 << 20
@@ -138,6 +171,11 @@ def diff_budget(workers: int) -> int:
 
 def _item_bytes(item: EncodedItem) -> int:
     return len(item.data) + len(item.repair or b"") + 512
+
+
+def _batch_cost(nbytes: int) -> int:
+    """A batch of small tensors scans one at a time: the largest possible one's working memory."""
+    return _scan_cost(min(nbytes, SMALL_TENSOR_BYTES))
 
 
 def _scan_cost(nbytes: int) -> int:
@@ -231,6 +269,7 @@ class _ResidualStream:
         return self.digests[0].hexdigest(), self.digests[1].hexdigest()
 
 
+@fewer_collections()
 def execute(
     plan: Plan,
     base: Side,
@@ -277,6 +316,30 @@ def execute(
         if item is not None:
             yield item
 
+    def small_tensor(name: str, ranges: list[RangeUnit]) -> Iterator[EncodedItem]:
+        """A small tensor (one range, at most SMALL_TENSOR_BYTES): scanned whole, hashed after its scan."""
+        (u,) = ranges
+        b, n = base.flat(name, u.start, u.stop), new.flat(name, u.start, u.stop)
+        item = scan(name, Region.range(u.start, u.stop), b, n, u.op, None)
+        if name not in b_digests:
+            b_digests[name] = digest_bytes(b)
+        if name not in n_digests:
+            n_digests[name] = digest_bytes(n)
+        if progress:
+            progress((u.stop - u.start) * u.itemsize)
+        if item is not None:
+            yield item
+
+    def batch_task(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[EncodedItem]:
+        """Consecutive small tensors, one after the other in one task (see SMALL_TENSOR_BYTES)."""
+        for name, ranges in batch:
+            yield from small_tensor(name, ranges)
+        release = getattr(base, "release_tensors", None)
+        if release is not None:
+            names = [name for name, _ in batch]
+            release(names)
+            new.release_tensors(names)  # type: ignore[attr-defined]
+
     def tensor_task(name: str, ranges: list[RangeUnit]) -> Iterator[EncodedItem]:
         """A tensor's digests and ranges in one pass: each tile is hashed right after it is scanned."""
         hashers = [
@@ -286,7 +349,8 @@ def execute(
         ]
         # With several workers the scans wait on memory: a helper thread hashes each tile from the
         # last-level cache while the scan reads the next one. One worker is one thread.
-        feeder = _TileFeeder(pipelined=workers > 1 and bool(hashers))
+        nbytes = sum((u.stop - u.start) * u.itemsize for u in ranges)
+        feeder = _TileFeeder(pipelined=workers > 1 and bool(hashers) and nbytes >= PIPELINE_MIN_BYTES)
         tile = TILE_BYTES * (4 if feeder.pipelined else 1)
         try:
             for u in ranges:
@@ -371,6 +435,8 @@ def execute(
         units = plan.units
         # A tensor larger than a worker's share is hashed apart, by BLAKE3's own threads.
         share = plan.total_bytes // max(1, workers)
+        batch: list[tuple[str, list[RangeUnit]]] = []
+        batch_bytes = 0
         i = 0
         while i < len(units):
             u = units[i]
@@ -380,10 +446,24 @@ def execute(
                     j += 1
                 ranges = [r for r in units[i + 1 : j] if isinstance(r, RangeUnit)]
                 nbytes = sum((r.stop - r.start) * r.itemsize for r in ranges)
+                if len(ranges) == 1 and nbytes <= SMALL_TENSOR_BYTES:
+                    batch.append((u.name, ranges))
+                    batch_bytes += nbytes
+                    if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
+                        yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                        batch, batch_bytes = [], 0
+                    i = j
+                    continue
+                if batch:
+                    yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                    batch, batch_bytes = [], 0
                 if workers == 1 or nbytes <= share:
                     yield _scan_cost(CHUNK_BYTES), _bind2(tensor_task, u.name, ranges)
                     i = j
                     continue
+            if batch:
+                yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                batch, batch_bytes = [], 0
             if isinstance(u, RangeUnit):
                 yield _scan_cost((u.stop - u.start) * u.itemsize), _bind(range_task, u)
             elif isinstance(u, ChunkUnit):
@@ -407,6 +487,8 @@ def execute(
             else:
                 raise TypeError(f"unknown plan unit {u!r}")
             i += 1
+        if batch:
+            yield _batch_cost(batch_bytes), _bind(batch_task, batch)
 
     if plan.rank is not None:
         from ..delta.parts import part_dir
@@ -488,6 +570,7 @@ def _close(src: Any) -> None:
         src.close()
 
 
+@fewer_collections()
 def diff(
     base: str | os.PathLike[str],
     new: str | os.PathLike[str],

@@ -17,6 +17,7 @@ from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
 from ..delta.reader import Delta
 from ..errors import IncompatibleError
 from ..format.manifest import TensorEntry, fingerprint
+from ..io.gc_pause import fewer_collections
 from ..io.pool import default_workers
 from . import plan as receiver_plan
 from .checkpoint.inplace import InPlaceFiles, digest_tensors
@@ -81,6 +82,7 @@ def compare_tables(
     return mismatched, sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected)), layout
 
 
+@fewer_collections()
 def verify(
     checkpoint: str | os.PathLike[str],
     *,

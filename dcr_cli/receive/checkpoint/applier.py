@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -32,7 +33,8 @@ from ...delta.reader import Delta, DeltaLike, open_deltas
 from ...errors import IncompatibleError, IntegrityError, VerifyFailed
 from ...format.digest import digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
-from ...io.pool import default_workers, ordered_parallel
+from ...io.gc_pause import fewer_collections
+from ...io.pool import Inline, default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .inplace import InPlaceFiles, Run, digest_tensors, runs_of
 from .state import (
@@ -53,6 +55,10 @@ from .state import (
 # Memory the first pass may keep (new values and indices of items) for the write pass; items
 # beyond it are read, verified and decoded again when they are written.
 PREPARED_BYTES = 256 << 20
+T = TypeVar("T")
+# Items are checked and written in batches of consecutive ones (see item_batches).
+BATCH_ELEMENTS = 1 << 16
+BATCH_ITEMS = 256
 
 
 # --------------------------------------------------------------------------- results
@@ -210,20 +216,49 @@ class _Cancelled(Exception):
     """An item not written because another one failed first."""
 
 
+def item_batches(items: Sequence[Item]) -> Iterator[tuple[int, int, bool]]:
+    """Consecutive items as [lo, hi) index ranges, one task each, and whether it is a batch of small
+    items: those (an MoE delta has 100k items of a few KiB) go together until they cover BATCH_ELEMENTS
+    or number BATCH_ITEMS; an item at least that large is a task of its own. Items are handled in the
+    same order either way."""
+    lo, covered = 0, 0
+    for i, item in enumerate(items):
+        size = item.region.size
+        if size >= BATCH_ELEMENTS:
+            if lo < i:
+                yield lo, i, True
+            yield i, i + 1, False
+            lo, covered = i + 1, 0
+            continue
+        covered += size
+        if covered >= BATCH_ELEMENTS or i + 1 - lo >= BATCH_ITEMS:
+            yield lo, i + 1, True
+            lo, covered = i + 1, 0
+    if lo < len(items):
+        yield lo, len(items), True
+
+
+def _task(fn: Callable[[], T], small: bool) -> Callable[[], T]:
+    """Small items hold the GIL throughout: their batch runs on the consuming thread (pool.Inline)."""
+    return Inline(fn) if small else fn
+
+
 def first_pass(delta: Delta, files: InPlaceFiles, resuming: bool, workers: int) -> list[Prepared]:
     """Every check of delta-v1 §7.2 for every item, before the first write; keeps what fits the budget."""
+    items = delta.manifest.items
 
-    def task(item: Item) -> Callable[[], Prepared]:
-        return lambda: prepare_item(delta, item, files, resuming)
+    def task(lo: int, hi: int, small: bool) -> Callable[[], list[Prepared]]:
+        return _task(lambda: [prepare_item(delta, items[i], files, resuming) for i in range(lo, hi)], small)
 
     out: list[Prepared] = []
     kept = 0
-    for prepared in ordered_parallel((task(it) for it in delta.manifest.items), workers):
-        if kept + prepared.nbytes <= PREPARED_BYTES:
-            kept += prepared.nbytes
-            out.append(prepared)
-        else:
-            out.append(prepared.drop())
+    for batch in ordered_parallel((task(*b) for b in item_batches(items)), workers):
+        for prepared in batch:
+            if kept + prepared.nbytes <= PREPARED_BYTES:
+                kept += prepared.nbytes
+                out.append(prepared)
+            else:
+                out.append(prepared.drop())
     return out
 
 
@@ -236,6 +271,9 @@ def write_items(
     promptly); once every running write has finished, the first real error is raised.
     """
     failed = threading.Event()
+    items = delta.manifest.items
+    if len(prepared) != len(items):
+        raise ValueError("one prepared outcome per item")
 
     def run(item: Item, first: Prepared) -> Prepared:
         try:
@@ -255,33 +293,36 @@ def write_items(
             failed.set()
             raise
 
+    def run_batch(lo: int, hi: int) -> list[Prepared]:
+        return [run(items[i], prepared[i]) for i in range(lo, hi)]  # stops at the first failure
+
     error: BaseException | None = None
-    window: deque[Future[Prepared]] = deque()
+    window: deque[Future[list[Prepared]]] = deque()
     pool = ThreadPoolExecutor(max_workers=workers)
 
-    def settle(future: Future[Prepared]) -> Prepared | None:
+    def settle(future: Future[list[Prepared]]) -> list[Prepared]:
         nonlocal error
         try:
             return future.result()
         except _Cancelled:
-            return None
+            return []
         except BaseException as exc:
             error = error or exc
-            return None
+            return []
 
     try:
-        for item, p in zip(delta.manifest.items, prepared, strict=True):
+        for lo, hi, _small in item_batches(items):
             if failed.is_set():
                 break
-            window.append(pool.submit(run, item, p))
+            window.append(pool.submit(run_batch, lo, hi))
             while len(window) >= 2 * workers:
-                outcome = settle(window.popleft())
-                if outcome is not None and error is None:
-                    yield outcome
+                outcomes = settle(window.popleft())
+                if error is None:
+                    yield from outcomes
         while window:
-            outcome = settle(window.popleft())
-            if outcome is not None and error is None:
-                yield outcome
+            outcomes = settle(window.popleft())
+            if error is None:
+                yield from outcomes
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     if error is not None:
@@ -340,6 +381,7 @@ def _establish(
     return _Start(fp, _label(fp, opened), table, None, []), state
 
 
+@fewer_collections()
 def apply(
     deltas: DeltaLike | Sequence[DeltaLike],
     *,

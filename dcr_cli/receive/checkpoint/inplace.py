@@ -28,7 +28,7 @@ from ...errors import IntegrityError
 from ...format.digest import StreamingDigest
 from ...format.dtypes import dtype as lookup_dtype
 from ...format.manifest import TensorEntry
-from ...io.pool import ordered_parallel
+from ...io.pool import Inline, ordered_parallel
 
 GAP_BYTES = 4096  # unchanged bytes between two written elements that a run rewrites rather than split
 RUN_BYTES = 4 << 20  # longest run (bounds the buffer one write needs)
@@ -63,6 +63,11 @@ def runs_of(index: np.ndarray, segment: np.ndarray, itemsize: int) -> list[Run]:
     if index.size == 0:
         return []
     gap, cap = max(1, GAP_BYTES // itemsize), max(1, RUN_BYTES // itemsize)
+    first, last = int(index[0]), int(index[-1])
+    if last - first <= gap and first // cap == last // cap and segment[0] == segment[-1]:
+        # No cut anywhere (every step is within the span; segments and caps only grow): one run,
+        # without the three passes below (the common case of a small item).
+        return [Run(first, last, 0, int(index.size))]
     cut = (np.diff(index) > gap) | (np.diff(segment) != 0) | (np.diff(index // cap) != 0)
     bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), int(index.size)]
     return [Run(int(index[lo]), int(index[hi - 1]), lo, hi) for lo, hi in itertools.pairwise(bounds)]
@@ -181,12 +186,40 @@ class InPlaceFiles:
         self.close()
 
 
+# Tensors up to SMALL_TENSOR_BYTES are hashed in batches of about BATCH_BYTES (or BATCH_TENSORS), one
+# pool task each: a task per tensor of a few KiB costs more than hashing it.
+SMALL_TENSOR_BYTES = 256 << 10
+BATCH_BYTES = 4 << 20
+BATCH_TENSORS = 512
+
+
 def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
     """The tensor table of ``names`` (default: every tensor), hashed on the pool, largest tensors first."""
-    chosen = sorted(files.locations if names is None else names, key=lambda n: -files.locations[n].nbytes)
+    locations = files.locations
+    chosen = sorted(locations if names is None else names, key=lambda n: -locations[n].nbytes)
 
-    def task(name: str) -> Callable[[], tuple[str, str]]:
-        return lambda: (name, files.digest(name))
+    def batches() -> Iterable[tuple[list[str], bool]]:
+        batch: list[str] = []
+        nbytes = 0
+        for name in chosen:
+            size = locations[name].nbytes
+            if size > SMALL_TENSOR_BYTES:
+                yield [name], False
+                continue
+            batch.append(name)
+            nbytes += size
+            if nbytes >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
+                yield batch, True
+                batch, nbytes = [], 0
+        if batch:
+            yield batch, True
 
-    digests = dict(ordered_parallel((task(n) for n in chosen), workers))
-    return {n: TensorEntry(files.locations[n].dtype, files.locations[n].shape, digests[n]) for n in sorted(digests)}
+    def task(batch: list[str], small: bool) -> Callable[[], list[tuple[str, str]]]:
+        def run() -> list[tuple[str, str]]:
+            return [(name, files.digest(name)) for name in batch]
+
+        # A batch of small tensors holds the GIL throughout: it runs on this thread (see pool.Inline).
+        return Inline(run) if small else run
+
+    digests = dict(pair for done in ordered_parallel((task(*b) for b in batches()), workers) for pair in done)
+    return {n: TensorEntry(locations[n].dtype, locations[n].shape, digests[n]) for n in sorted(digests)}

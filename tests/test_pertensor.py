@@ -1,0 +1,337 @@
+"""Per-tensor overhead at MoE tensor counts (issue 11): batching and caching must not change a single bit.
+
+* the diff engine batches small tensors into one pool task: the delta is byte-identical to the
+  unbatched one (and to one written with one worker);
+* the receiver batches small items (first pass, writes, digests): the result is the target, bit-exact,
+  and a write failure inside a batch still leaves a resumable state;
+* thread-local zstd contexts give the same frames as fresh ones, across threads and levels;
+* local block files stay open across section reads: a block corrupted in place is still refused;
+* a checkpoint opened again reuses its parsed header only while the header bytes and the size are the same;
+* ``dcr inspect`` prints plain aligned columns for long tables, with every row and the totals.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, read_raw, write_checkpoint
+
+import dcr_cli
+from dcr_cli.checkpoints import safetensors_dir
+from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
+from dcr_cli.cli import main
+from dcr_cli.delta.inspect import inspect
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import FormatError, IntegrityError
+from dcr_cli.format import codec
+from dcr_cli.produce import engine
+from dcr_cli.receive.checkpoint import applier, inplace
+
+
+def _moe_pair(tmp: Path, experts: int = 64, shards: int = 2) -> tuple[Path, Path]:
+    """Many small expert tensors, a few larger ones (one over the small-tensor limit), mixed dtypes."""
+    rng = np.random.default_rng(11)
+    specs: list[tuple[str, str, tuple[int, ...]]] = [("embed", "BF16", (512, 300))]  # 300 KiB: not small
+    for e in range(experts):
+        for proj, shape in (("gate", (24, 64)), ("up", (24, 64)), ("down", (64, 24))):
+            specs.append((f"layers.0.experts.{e}.{proj}", "BF16", shape))
+    specs += [("norm", "F32", (64,)), ("router", "F16", (experts, 64)), ("bias", "U8", (7,)), ("scalar", "F32", ())]
+    t0 = random_tensors(rng, specs)
+    t1 = mutate(rng, t0, 0.03)
+    t0["dense"] = ("BF16", (8, 8), rng.integers(1, 1 << 16, 64, dtype=np.uint16))
+    t1["dense"] = ("BF16", (8, 8), np.zeros(64, dtype=np.uint16))  # every element changed: a replace item
+    return write_checkpoint(tmp / "v0", t0, shards=shards), write_checkpoint(tmp / "v1", t1, shards=shards)
+
+
+def _files(delta: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(delta)): p.read_bytes() for p in sorted(delta.rglob("*")) if p.is_file()}
+
+
+def _diff(base: Path, new: Path, out: Path, workers: int) -> dict[str, bytes]:
+    engine.diff(base, new, out, base_version="v0", target_version="v1", workers=workers)
+    raw = (out / "manifest.json").read_bytes()
+    manifest = json.loads(raw)
+    manifest.pop("created")
+    files = _files(out)
+    files["manifest.json"] = json.dumps(manifest).encode()
+    return files
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["hashing", "digests cached"])
+def test_batched_diff_is_byte_identical_to_unbatched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool
+) -> None:
+    base, new = _moe_pair(tmp_path)
+    monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache") if cached else "")
+    if cached:
+        engine.diff(base, new, tmp_path / "warm", workers=2)  # fills the cache for both sides
+    calls = {"batches": 0}
+    real = engine.ordered_stream
+
+    def counting(tasks, workers, **kw):  # type: ignore[no-untyped-def]
+        listed = list(tasks)
+        calls["batches"] = len(listed)
+        return real(iter(listed), workers, **kw)
+
+    monkeypatch.setattr(engine, "ordered_stream", counting)
+    batched = _diff(base, new, tmp_path / "batched", workers=2)
+    batched_tasks = calls["batches"]
+    one_worker = _diff(base, new, tmp_path / "one", workers=1)
+    monkeypatch.setattr(engine, "SMALL_TENSOR_BYTES", 0)  # every tensor a task of its own, as before batching
+    unbatched = _diff(base, new, tmp_path / "unbatched", workers=2)
+    unbatched_tasks = calls["batches"]
+    assert batched == unbatched == one_worker
+    assert batched_tasks < unbatched_tasks / 20, (batched_tasks, unbatched_tasks)  # it did batch
+    manifest = Delta.open(tmp_path / "batched").manifest
+    assert {i.op for i in manifest.items} == {"xor", "replace"}
+    assert dcr_cli.apply(tmp_path / "batched", into=copy_checkpoint(base, tmp_path / "recv")).steps
+    assert read_raw(tmp_path / "recv") == read_raw(new)
+
+
+def test_batched_apply_and_verify_are_bit_exact(tmp_path: Path) -> None:
+    base, new = _moe_pair(tmp_path)
+    engine.diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
+    items = Delta.open(tmp_path / "d").manifest.items
+    batches = list(applier.item_batches(items))
+    assert [i for lo, hi, _ in batches for i in range(lo, hi)] == list(range(len(items)))  # every item, in order
+    assert len(batches) < len(items) / 20
+    big = [i for i, it in enumerate(items) if it.region.size >= applier.BATCH_ELEMENTS]
+    assert big and all((i, i + 1, False) in batches for i in big)  # a large item is a pool task of its own
+    recv = copy_checkpoint(base, tmp_path / "recv")
+    result = dcr_cli.apply(tmp_path / "d", into=recv, workers=2)
+    assert result.steps[0].applied == len(items)
+    assert read_raw(recv) == read_raw(new)
+    report = dcr_cli.verify(recv, against=tmp_path / "d", workers=2)
+    assert report.ok and report.tensors == len(read_raw(new))
+    # One element changed behind dcr's back in a small tensor: verify names exactly that tensor.
+    with SafetensorsCheckpoint(recv) as ckpt:
+        loc = ckpt.tensors["layers.0.experts.7.up"]
+    with open(loc.file, "r+b") as f:
+        f.seek(loc.start + 10)
+        byte = f.read(1)
+        f.seek(loc.start + 10)
+        f.write(bytes([byte[0] ^ 1]))
+    report = dcr_cli.verify(recv, against=tmp_path / "d", workers=2)
+    assert not report.ok and report.mismatched == ["layers.0.experts.7.up"]
+
+
+def test_a_write_failure_inside_a_batch_resumes_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base, new = _moe_pair(tmp_path)
+    engine.diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
+    recv = copy_checkpoint(base, tmp_path / "recv")
+    real, writes = inplace._write_values, {"n": 0}
+
+    def fail_in_the_middle(fd: int, offset: int, data: memoryview) -> None:
+        writes["n"] += 1
+        if writes["n"] == 40:  # inside the first batch of small items
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, data)
+
+    monkeypatch.setattr(inplace, "_write_values", fail_in_the_middle)
+    with pytest.raises(OSError) as info:
+        dcr_cli.apply(tmp_path / "d", into=recv, workers=2)
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    result = dcr_cli.apply(tmp_path / "d", into=recv, workers=2)
+    assert result.steps[0].status == "resumed" and result.steps[0].done > 0
+    assert read_raw(recv) == read_raw(new)
+
+
+def test_reused_zstd_contexts_give_the_frames_of_fresh_ones() -> None:
+    rng = np.random.default_rng(3)
+    inputs = [rng.integers(0, 4, size=n, dtype=np.uint8) for n in (0, 1, 100, 5000, 300_000)]
+    for level in (None, 1, 3, 19):
+        fresh = [codec.new_compressor(level).compress(x.data) for x in inputs]
+        out: dict[int, list[bytes]] = {}
+
+        def work(k: int, level: int | None = level, out: dict[int, list[bytes]] = out) -> None:
+            out[k] = [codec.compress(x, level) for x in inputs * 3]
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(frames == fresh * 3 for frames in out.values())
+        # the reused decompressor recovers from a corrupt frame and keeps decoding good ones
+        for x, frame in zip(inputs, fresh, strict=True):
+            if len(x) > 100:
+                bad = frame[:-5] + bytes(b ^ 0xFF for b in frame[-5:-4]) + frame[-4:]
+                with pytest.raises(IntegrityError):
+                    codec.decompress_exact(bad, len(x), "values")
+            assert codec.decompress_exact(frame, len(x), "values").tobytes() == x.tobytes()
+
+
+def test_open_block_files_still_see_a_block_corrupted_in_place(tmp_path: Path) -> None:
+    base, new = _moe_pair(tmp_path)
+    engine.diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
+    delta = Delta.open(tmp_path / "d")
+    first, last = delta.manifest.items[0], delta.manifest.items[-1]
+    delta.decode(first)  # opens the data block and keeps it open
+    block = Path(delta.block_path(delta.manifest.blocks[last.data.block]))
+    with open(block, "r+b") as f:  # same inode: the open descriptor reads the damage
+        f.seek(last.data.offset)
+        byte = f.read(1)
+        f.seek(last.data.offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(IntegrityError, match="corrupt"):
+        delta.decode(last)
+    block.unlink()
+    fresh = Delta.open(tmp_path / "d")
+    with pytest.raises(IntegrityError, match="missing"):
+        fresh.decode(first)
+
+
+def test_regular_files_keep_a_bounded_number_open(tmp_path: Path) -> None:
+    from dcr_cli.io.reading import RegularFiles
+
+    files = RegularFiles(keep=3)
+    paths = []
+    for k in range(10):
+        p = tmp_path / f"f{k}"
+        p.write_bytes(bytes(range(k, k + 20)))
+        paths.append(str(p))
+    for _ in range(2):
+        for k, p in enumerate(paths):
+            assert files.read(p, 2, 5) == bytes(range(k + 2, k + 5))
+            assert files.read(p, 15, 100) == bytes(range(k + 15, k + 20))  # short at the end
+    assert len(files._open) == 3
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(FormatError, match="FIFO"):
+        files.read(str(tmp_path / "fifo"), 0, 10)
+    files.close()
+    assert not files._open
+
+
+def test_a_reopened_checkpoint_reparses_a_changed_header(tmp_path: Path) -> None:
+    values = np.arange(16, dtype=np.uint16)
+    root = write_checkpoint(tmp_path / "c", {"a": ("BF16", (16,), values), "b": ("BF16", (4, 4), values)})
+    with SafetensorsCheckpoint(root) as first:
+        tensors = dict(first.tensors)
+    with SafetensorsCheckpoint(root) as again:
+        assert again.tensors == tensors
+        assert all(again.tensors[n] is tensors[n] for n in tensors)  # reused, not parsed again
+    # Same size, other header bytes: parsed again.
+    file = root / "model.safetensors"
+    raw = file.read_bytes()
+    file.write_bytes(raw.replace(b'"a"', b'"c"', 1))
+    with SafetensorsCheckpoint(root) as changed:
+        assert set(changed.tensors) == {"b", "c"}
+    # Same header, truncated data: refused, as a fresh parse refuses it.
+    file.write_bytes(raw[:-2])
+    with pytest.raises(FormatError, match="truncated"):
+        SafetensorsCheckpoint(root)
+    file.write_bytes(raw)
+    safetensors_dir._PARSED = safetensors_dir._ParsedHeaders(max_bytes=16)  # too small to keep any header
+    try:
+        with SafetensorsCheckpoint(root) as uncached:
+            assert uncached.tensors == tensors
+    finally:
+        safetensors_dir._PARSED = safetensors_dir._ParsedHeaders(max_bytes=256 << 20)
+
+
+def test_inspect_prints_long_tables_as_plain_columns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcr_cli.cli import inspect_cmd
+
+    base, new = _moe_pair(tmp_path, experts=200, shards=1)
+    engine.diff(base, new, tmp_path / "d", base_version="v[0]", target_version="v\n1")
+    report = inspect(tmp_path / "d", changed_only=True)  # as the command lists them by default
+    assert len(report.tensors) > inspect_cmd.RICH_ROWS
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "d")])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == "v[0] -> v\\n1  (format 1.0)"  # escaped, verbatim, one line
+    assert lines[1].split() == ["tensor", "dtype", "changed", "%", "op", "bytes", "ratio", "residual"]
+    body = lines[3:-1]
+    assert len(body) == len(report.tensors)
+    assert lines[-1].startswith("total: ") and f"{report.items} items" in lines[-1]
+    # aligned: every column starts where its header does
+    columns = [lines[1].index(h) for h in ("dtype", "op")]
+    for line, row in zip(body, report.tensors, strict=True):
+        assert line.startswith(row.tensor + " ")
+        assert line[columns[0] :].startswith(row.dtype) and line[columns[1] :].startswith(",".join(row.ops))
+        assert f"{row.changed_elements:,}" in line
+    # short tables stay rich tables
+    monkeypatch.setattr(inspect_cmd, "RICH_ROWS", 10**6)
+    rich = CliRunner().invoke(main, ["inspect", str(tmp_path / "d")])
+    assert rich.exit_code == 0 and "┃ tensor" in rich.stdout
+
+
+def test_inspect_json_is_what_asdict_gave(tmp_path: Path) -> None:
+    base, new = _moe_pair(tmp_path, experts=4)
+    engine.diff(base, new, tmp_path / "d")
+    report = inspect(tmp_path / "d", changed_only=False)
+    expected = asdict(report)
+    expected["change_rate"] = report.changed_elements / report.total_elements
+    expected["ratio"] = report.full_bytes / (report.payload_bytes + report.manifest_bytes)
+    for row, raw in zip(report.tensors, expected["tensors"], strict=True):
+        raw["change_rate"] = row.change_rate
+        raw["ratio"] = row.ratio
+    got = report.to_json()
+    assert got == expected and list(got) == list(expected)
+    assert [list(r) for r in got["tensors"]] == [list(r) for r in expected["tensors"]]
+
+
+def _reference_positions(raw: np.ndarray, count: int) -> np.ndarray | None:
+    """The numpy decoder the compiled one replaced (None where it refused the bytes)."""
+    gaps = raw[:count].astype(np.int64)
+    escaped = np.flatnonzero(gaps == 255)
+    if len(raw) != count + 4 * len(escaped):
+        return None
+    rest = np.ascontiguousarray(raw[count:].reshape(4, -1).T).reshape(-1).view("<u4").astype(np.int64)
+    gaps[escaped] += rest
+    return np.cumsum(gaps + 1) - 1
+
+
+def test_compiled_gap_decoder_matches_the_numpy_one() -> None:
+    from dcr_cli.format.kernels import escaped_gaps, positions_from_gaps
+
+    rng = np.random.default_rng(8)
+    for trial in range(300):
+        count = int(rng.integers(0, 40))
+        spread = [3, 300, 70_000, 2**31][trial % 4]
+        positions = np.unique(rng.integers(0, spread, size=count)).astype(np.int64)
+        raw = escaped_gaps(positions)
+        out, escapes = positions_from_gaps(raw, len(positions))
+        assert escapes == int(np.count_nonzero(raw[: len(positions)] == 255))
+        assert np.array_equal(out, positions) and np.array_equal(out, _reference_positions(raw, len(positions)))
+        # damaged lengths are refused exactly where the numpy decoder refused them
+        for bad in (raw[:-1], np.concatenate([raw, np.zeros(int(rng.integers(1, 5)), np.uint8)])):
+            if len(bad) < len(positions):
+                continue
+            got, esc = positions_from_gaps(bad, len(positions))
+            ref = _reference_positions(bad, len(positions))
+            assert (esc < 0) == (ref is None)
+            if ref is not None:
+                assert np.array_equal(got, ref)
+
+
+def test_fewer_collections_nests_and_restores_the_thresholds() -> None:
+    import gc
+
+    from dcr_cli.io.gc_pause import YOUNG, fewer_collections
+
+    before = gc.get_threshold()
+    with fewer_collections():
+        assert gc.get_threshold()[0] == max(before[0], YOUNG)
+        with fewer_collections():
+            assert gc.get_threshold()[0] == max(before[0], YOUNG)
+        assert gc.get_threshold()[0] == max(before[0], YOUNG)  # the inner exit does not restore early
+    assert gc.get_threshold() == before
+    with pytest.raises(RuntimeError), fewer_collections():
+        raise RuntimeError("restored on errors too")
+    assert gc.get_threshold() == before
+    gc.set_threshold(0)  # a caller that turned automatic collection off keeps it off
+    try:
+        with fewer_collections():
+            assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)
