@@ -22,17 +22,19 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import numpy as np
 
 from ..errors import DcrError, FormatError, IntegrityError
-from ..format.codec import DecodedItem, decode_data, decode_values
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, BlockEntry, Item, Manifest, Section, parse_manifest
 from .source import BlockSource, BlockSpool
+
+if TYPE_CHECKING:
+    from ..format.codec import DecodedItem
 
 STORE_MANIFESTS = "manifests"  # store-v1 §1: manifests/<digest>.json beside blocks/
 _STORE_MANIFEST = re.compile(rf"(?P<root>.*)/{STORE_MANIFESTS}/(?P<digest>[0-9a-f]{{64}})\.json")
@@ -165,6 +167,8 @@ class Delta:
                     ) from None
 
     def decode(self, item: Item) -> DecodedItem:
+        from ..format.codec import decode_data  # its kernels import numba: only what decodes pays for it
+
         what = f"{item.tensor} {item.region.to_json()}"
         data = self.read_section(item.data, what)
         dt = lookup_dtype(self.manifest.tensors[item.tensor].dtype)
@@ -174,6 +178,8 @@ class Delta:
         """Target values at the item's positions: what an absolute overwrite writes."""
         if item.repair is None:
             raise FormatError(f"{item.tensor}: item has no repair section")
+        from ..format.codec import decode_values
+
         what = f"{item.tensor} {item.region.to_json()} repair"
         data = self.read_section(item.repair, what)
         dt = lookup_dtype(self.manifest.tensors[item.tensor].dtype)

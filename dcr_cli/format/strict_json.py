@@ -14,7 +14,6 @@ import math
 import re
 from typing import Any
 
-import numba
 import numpy as np
 
 from ..errors import FormatError
@@ -51,37 +50,36 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def _max_depth(raw: np.ndarray) -> int:  # pragma: no cover - compiled
-    """Deepest bracket nesting outside strings: one pass, constant memory, no recursion, no regex
-    (a regex over strings backtracks quadratically on an unterminated string of escaped quotes)."""
-    depth = 0
-    deepest = 0
-    in_string = False
-    escaped = False
-    for i in range(raw.shape[0]):
-        c = raw[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 0x5C:  # backslash
-                escaped = True
-            elif c == 0x22:  # quote
-                in_string = False
-        elif c == 0x22:
-            in_string = True
-        elif c == 0x5B or c == 0x7B:  # [ {
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-        elif c == 0x5D or c == 0x7D:  # ] }
-            depth -= 1
-    return deepest
+# A JSON string from its opening quote: any run of plain characters and backslash escapes, then the
+# closing quote if there is one (an unterminated string runs to the end). The unrolled form never
+# backtracks, so the scan is linear in the input; no string can contain a quote it does not escape.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+COMPILED_FROM = 256 << 10  # bytes: larger documents (big manifests) take the compiled scan
 
 
 def _depth(raw: bytes) -> int:
-    """Deepest bracket nesting, strings excluded; linear, no recursion."""
-    return int(_max_depth(np.frombuffer(raw, dtype=np.uint8))) if raw else 0
+    """Deepest bracket nesting outside strings; linear, no recursion.
+
+    Small documents (store records, state files, most manifests): the strings are cut out with the
+    regex above (backslash escapes count inside strings only, as in JSON), then the running sum of
+    the brackets left is the nesting; plain re and numpy. Large ones: a compiled one-pass scan, whose
+    module imports numba only when such a document is read. Both give the same depth for any input.
+    """
+    if len(raw) >= COMPILED_FROM:
+        from ._json_depth import max_depth
+
+        return int(max_depth(np.frombuffer(raw, dtype=np.uint8)))
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = _STEP[np.frombuffer(brackets, dtype=np.uint8)].astype(np.int32)
+    return max(0, int(np.cumsum(steps).max()))
 
 
 def _check_strings(value: Any) -> None:

@@ -250,6 +250,7 @@ class Store:
         self.fs = self.backend.fs
         self.root = root.rstrip("/") or root
         self.allow_unsafe_publish = allow_unsafe_publish
+        self._marker: dict[str, Any] | None = None  # the marker is create-only and never changes: read once
 
     # -- backend capabilities ------------------------------------------------------------------------------------
 
@@ -374,7 +375,11 @@ class Store:
         return parse_record(raw, kind, f"{self.url}/{rel}")
 
     def marker(self) -> dict[str, Any] | None:
-        return self.read_record(MARKER, STORE_FORMAT)
+        """The store marker; once found it is kept (store-v1: written create-only, never rewritten), which
+        saves a commit or a push a round trip per question about the genesis."""
+        if self._marker is None:
+            self._marker = self.read_record(MARKER, STORE_FORMAT)
+        return self._marker
 
     def require_marker(self) -> dict[str, Any]:
         marker = self.marker()
