@@ -75,13 +75,13 @@ def apply(
     """
     _ack_pair(ack, receiver)
     chosen = _catch_up(deltas, since, version, storage_options, log) if since is not None else None
-    result = apply_checkpoint(
-        chosen if chosen is not None else resolve(deltas, version, storage_options),
-        into=into,
-        workers=workers,
-        verify=verify,
-        log=log,
-    )
+    opened = chosen if chosen is not None else resolve(deltas, version, storage_options)
+    try:
+        result = apply_checkpoint(opened, into=into, workers=workers, verify=verify, log=log)
+    finally:
+        for d in opened:  # a store's blocks download in the background: stop what is no longer needed
+            if isinstance(d, Delta):
+                d.cancel_fetches()
     if ack and receiver:
         _acknowledge(ack, receiver, result.version, result.fingerprint, storage_options)
     return result

@@ -213,6 +213,12 @@ class BlockFetcher:
         for block_id in self._blocks:
             self.wait_block(block_id)
 
+    @property
+    def complete(self) -> bool:
+        """Whether every block has arrived whole and been checked."""
+        with self._cond:
+            return all(b.done for b in self._blocks.values())
+
     def cancel(self) -> None:
         """Stop starting ranges (the ones in flight finish); readers waiting get an error."""
         with self._cond:

@@ -176,9 +176,11 @@ class Delta:
             fetcher.wait_block(block.id)
 
     def cancel_fetches(self) -> None:
-        """Stop background downloads (a receiver that failed no longer needs them)."""
+        """Stop background downloads (a receiver that failed no longer needs them); blocks that had not
+        arrived whole are fetched afresh if this delta is read again."""
         for fetcher in self._fetchers:
             fetcher.cancel()
+        self._fetchers = [f for f in self._fetchers if f.complete]
 
     def check_repair_blocks(self) -> None:
         """Repair blocks are optional. Local ones that are here must be intact (checked whole); a remote
