@@ -145,3 +145,26 @@ def test_a_corrupt_late_block_leaves_the_receiver_untouched(
     ok = run_dcr("apply", s3_url, "--version", "v1", "--into", str(receiver), env=s3_endpoint.env())
     assert ok.returncode == 0, ok.stderr
     assert read_bits(receiver) == read_bits(tmp_path / "big-c1")
+
+
+def test_a_live_producer_publishes_each_step_on_a_store(tmp_path: Path) -> None:
+    """dcr_cli.Producer with a store URL (the store producer is defined lazily, on first use)."""
+    import dcr_cli
+    from dcr_cli.store import Store, commit
+
+    test_live_tensors = pytest.importorskip("test_live_tensors")
+    states = test_live_tensors.adam_steps(2)
+    from checkpoints import write_checkpoint
+
+    receiver = write_checkpoint(tmp_path / "receiver", states[0])
+    url = (tmp_path / "store").as_uri()
+    producer = dcr_cli.Producer(url, baseline=states[0], base_version="step-0", staging=tmp_path / "staging")
+    for step in (1, 2):
+        summary = producer.diff(states[step], version=f"step-{step}")
+        assert summary is not None and summary.changed_elements > 0
+        assert Store(url).require_version(f"step-{step}").base.version == f"step-{step - 1}"
+        result = dcr_cli.apply(url, into=receiver, version=f"step-{step}", ack=url, receiver="r0")
+        assert result.version == f"step-{step}"
+        assert read_bits(receiver) == read_bits(write_checkpoint(tmp_path / f"hf-{step}", states[step]))
+        commit(url, f"step-{step}", receivers=["r0"])
+        producer.committed(f"step-{step}")
