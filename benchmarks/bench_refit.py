@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_refit.py [--quick] [--size 3] [--links 1G,100M] [--receivers 1,4]
         [--stores s3,local] [--cases u1,u3,u5,adam3,moe3] [--producer seq|overlap] [--reference-sample-mib 512]
+        [--receiver-mode stream|oneshot|pull]
 
 Corpus (built locally under --corpus, reused across runs; nothing is downloaded):
 
@@ -13,7 +14,12 @@ Corpus (built locally under --corpus, reused across runs; nothing is downloaded)
 
 Every refit runs as real processes (``python -m dcr_cli``), timed one by one:
 producer ``diff`` then ``push`` (or ``diff --push`` with --producer overlap); then every receiver at
-once ``pull`` -> ``apply --into`` -> ``verify --against`` -> ``ack``; then the producer's ``commit``.
+once, by --receiver-mode: ``stream`` (default): ``apply STORE --version V --into`` (the blocks download
+in the background while the first pass checks the items) -> ``verify --against STORE`` -> ``ack``;
+``oneshot``: the same in one process, ``apply STORE --version V --into --verify --ack``; ``pull``:
+``pull`` -> ``apply --into`` the local copy -> ``verify --against`` it -> ``ack``. A local store is
+throttled by ``--limit-rate``, which only push and pull take: its receivers always pull. Then the
+producer's ``commit``.
 The receivers hold real checkpoints (each its own copy) that walk the chain and are verified bit-exact
 after every step; they are primed once (an untimed no-op apply), so each timed apply is a steady one.
 
