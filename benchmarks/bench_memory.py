@@ -12,8 +12,8 @@ paths, each at two model sizes with the same largest tensor:
 A third path, ``store``, measures the transfer commands instead (whole processes, RssAnon sampled
 every 5 ms by benchmarks/harness.py, imports included): ``push`` to a local store and to a moto S3
 endpoint, ``pull`` from it, and ``apply`` straight from it (blocks fetched in the background), for a
-delta whose payload is many 64 MiB blocks (every element of the model nudged: payload ~ 1/3 of the
-model), at two model sizes (--store-sizes, GiB).
+delta whose payload is many 64 MiB blocks (an Adam-like step changing about half of the elements), at
+two model sizes (--store-sizes, GiB).
 
     python benchmarks/bench_memory.py [--dir DIR] [--paths hf,fp8,store] [--workers N] [--store-sizes 0.5,1.5]
 """
@@ -135,7 +135,7 @@ def store_memory(work: Path, sizes: list[float], checkouts: dict[str, Path]) -> 
             paths = corpus.build_chain(
                 work / f"store-{size:g}",
                 specs,
-                [corpus.Step("uniform", 1.0)],
+                [corpus.Step("adam", 0.5)],
                 shard_bytes=min(1 << 30, int(size * 2**29)),
             )
             delta = work / f"store-{size:g}-delta"

@@ -168,3 +168,27 @@ def test_a_live_producer_publishes_each_step_on_a_store(tmp_path: Path) -> None:
         assert read_bits(receiver) == read_bits(write_checkpoint(tmp_path / f"hf-{step}", states[step]))
         commit(url, f"step-{step}", receivers=["r0"])
         producer.committed(f"step-{step}")
+
+
+def test_a_push_holds_blocks_within_its_byte_budget() -> None:
+    import threading
+
+    from dcr_cli.store.transfer import ByteBudget, parallel
+
+    budget = ByteBudget(250)
+    held: list[int] = []
+    lock = threading.Lock()
+    now = [0]
+
+    def task(n: int) -> None:
+        with budget.hold(n):
+            with lock:
+                now[0] += n
+                held.append(now[0])
+            time.sleep(0.02)
+            with lock:
+                now[0] -= n
+
+    parallel([lambda: task(100)] * 12 + [lambda: task(1000)] + [lambda: task(100)] * 4, workers=8)
+    assert max(h for h in held if h != 1000) <= 250  # two 100-byte blocks at once, never three
+    assert 200 in held and 1000 in held  # it did run in parallel; the oversized block ran alone
