@@ -1,4 +1,4 @@
-"""Applying from a store while its blocks download (issue 12 §2): overlap, bytes, and fail-closed."""
+"""Store transfers in bounded memory, and applying from a store while its blocks download (issue 12 §2, §5)."""
 
 from __future__ import annotations
 
@@ -192,3 +192,32 @@ def test_a_push_holds_blocks_within_its_byte_budget() -> None:
     parallel([lambda: task(100)] * 12 + [lambda: task(1000)] + [lambda: task(100)] * 4, workers=8)
     assert max(h for h in held if h != 1000) <= 250  # two 100-byte blocks at once, never three
     assert 200 in held and 1000 in held  # it did run in parallel; the oversized block ran alone
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_corrupt_block_streamed_to_a_store_is_never_published(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A local store gets blocks streamed to a temporary file: the digest fails only after the last chunk,
+    and then nothing may be left under the block's name (nor a temporary file)."""
+    from dcr_cli.store import Store, push
+
+    local = big_delta(tmp_path)
+    manifest = Delta.open(local).manifest
+    victim = manifest.blocks[-1]
+    path = Path(Delta.open(local).block_path(victim))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1  # the last byte: every chunk but the digest looks fine
+    path.write_bytes(bytes(raw))
+    if store == "local":
+        url, options = (tmp_path / "store").as_uri(), None
+    else:
+        endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+        url, options = request.getfixturevalue("s3_url"), endpoint.storage_options
+    with pytest.raises(IntegrityError, match="corrupt; nothing corrupt was published"):
+        push(local, url, storage_options=options)
+    s = Store(url, options)
+    assert s.stat(f"blocks/{victim.id}") is None
+    assert s.version("v1") is None
+    if store == "local":
+        assert not [p for p in (tmp_path / "store" / "blocks").iterdir() if p.name.startswith(".tmp-")]

@@ -30,9 +30,11 @@ from ..format.digest import StreamingDigest
 from ..format.manifest import BlockEntry
 from .source import BlockSource
 
-RANGE_BYTES = 8 << 20  # one ranged read
-WINDOW_BYTES = 64 << 20  # ranges being fetched at once (their bytes are in memory until written)
-MEMORY_BYTES = 256 << 20  # blocks kept in memory up to this, the rest in a temporary directory
+RANGE_BYTES = 4 << 20  # one ranged read
+WINDOW_BYTES = 32 << 20  # ranges being fetched at once (their bytes are in memory until written)
+# Blocks kept in anonymous memory up to this, the rest in a temporary directory (page cache, which the
+# kernel can write out): a receiver's memory does not grow with the delta.
+MEMORY_BYTES = 64 << 20
 WORKERS = 8
 
 

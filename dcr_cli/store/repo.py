@@ -24,7 +24,7 @@ import builtins
 import contextlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -358,6 +358,10 @@ class Store:
     def put(self, rel: str, data: bytes) -> None:
         """Write an object whole: readers see the previous state or all of ``data``, never a part."""
         self.call(lambda: self.backend.put(self.path(rel), data), f"write {rel}")
+
+    def put_chunks(self, rel: str, chunks: Callable[[], Iterable[bytes]]) -> None:
+        """As ``put``, from the chunks ``chunks()`` yields (called again if a transient error retries the write)."""
+        self.call(lambda: self.backend.put_chunks(self.path(rel), chunks()), f"write {rel}")
 
     def create(self, rel: str, data: bytes) -> None:
         """Create an object only if the name is free; raise FileExistsError if someone got there first."""

@@ -50,7 +50,7 @@ from .repo import (
 Progress = Callable[[int], None]  # called with bytes transferred
 Total = Callable[[int], None]  # called once, before the transfer, with the bytes it will count
 DEFAULT_WORKERS = 8
-PUSH_BUDGET_BYTES = 256 << 20  # block bytes a push holds in memory at once, over all its workers
+PUSH_BUDGET_BYTES = 128 << 20  # block bytes a push to an object store holds in memory at once, over all workers
 # A present block older than this is written again by push (format_spec/store-v1.md §4.1 step 4). It
 # must stay well below dcr gc's grace period (1 h by default) minus the longest push.
 REFRESH_S = 15 * 60.0
@@ -231,13 +231,18 @@ def push(
     budget = ByteBudget(PUSH_BUDGET_BYTES)
 
     def upload(block: BlockEntry) -> Callable[[], None]:
-        def run() -> None:
-            with budget.hold(block.size):
-                data = _read_local_block(source, block)
+        def chunks() -> Iterator[bytes]:
+            for chunk in _local_block_chunks(source, block):
                 if limiter is not None:
-                    limiter.take(len(data))
-                store.put(f"{BLOCKS}/{block.id}", data)
-                del data
+                    limiter.take(len(chunk))
+                yield chunk
+
+        def run() -> None:
+            if store.capabilities.local_files:  # streamed to a temporary file: one chunk in memory
+                store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
+            else:
+                with budget.hold(block.size):  # one PUT of the whole block
+                    store.put(f"{BLOCKS}/{block.id}", b"".join(chunks()))
             if progress is not None:
                 progress(block.size)
 
@@ -306,9 +311,12 @@ def _corrupt_on_store(store: Store, blocks: list[BlockEntry], workers: int) -> l
     return [b for b, ok in zip(blocks, intact, strict=True) if not ok]
 
 
-def _read_local_block(source: Delta, block: BlockEntry) -> bytes:
+def _local_block_chunks(source: Delta, block: BlockEntry) -> Iterator[bytes]:
+    """The block's bytes in bounded ranges. A wrong size or digest raises, at the latest when the chunk after
+    the last is asked for: a consumer that writes them as they come publishes only once the iterator is
+    exhausted (the local store renames its temporary file only then)."""
     try:
-        return b"".join(source.source.chunks(block))  # bounded by the declared size, digest checked
+        yield from source.source.chunks(block)  # bounded by the declared size, digest checked
     except FileNotFoundError:
         raise IntegrityError(f"{source.label}: block {block.id[:16]}… is missing; the delta is incomplete") from None
     except IntegrityError:
