@@ -599,7 +599,7 @@ def summary_table(refits: list[Refit]) -> None:
     print("\nsummary (each row measured side by side in this run)")
     head = (
         f"{'config':<24} {'case':<16} {'crit s':>7} {'ref s':>8} {'ref/dcr':>8} {'compr':>7} {'of compr':>8} "
-        f"{'target':>6} {'floor%':>6} {'xport%':>6}"
+        f"{'target':>6} {'floor%':>6} {'xport%':>6} receiver"
     )
     print(head)
     print("-" * len(head))
@@ -610,7 +610,7 @@ def summary_table(refits: list[Refit]) -> None:
         print(
             f"{r.config:<24} {r.case:<16} {r.critical:7.2f} {r.reference:8.1f} {ratio:7.1f}x {r.compression:6.1f}x "
             f"{ratio / r.compression:8.2f} {target:>4} {ok:<4} {r.floor / r.critical:5.0%} "
-            f"{r.transport_measured / r.critical:6.0%}"
+            f"{r.transport_measured / r.critical:6.0%} {r.extra.get('receiver_mode', 'pull')}"
         )
     print("\nstage share of the critical path (mean over the rows above)")
     for s in STAGES:
@@ -692,11 +692,11 @@ def main() -> None:
     ap.add_argument("--producer", choices=["seq", "overlap"], default="seq", help="diff then push, or diff --push")
     ap.add_argument(
         "--receiver-mode",
-        choices=["pull", "stream", "oneshot"],
         default="stream",
-        help="pull then apply the local copy; apply straight from the store (download overlaps the first "
-        "pass), then verify, then ack; or all of that in one dcr apply --verify --ack. A local store has no "
-        "throttle but --limit-rate, which only pull takes: its receivers always pull",
+        help="comma-separated, each measured in turn: pull (pull, then apply the local copy), stream (apply "
+        "straight from the store: the download overlaps the first pass; then verify, then ack), oneshot (all "
+        "of that in one dcr apply --verify --ack). A local store has no throttle but --limit-rate, which only "
+        "pull takes: its receivers always pull",
     )
     ap.add_argument(
         "--reference-sample-mib",
@@ -718,6 +718,9 @@ def main() -> None:
             args.stores = "s3"
         args.reference_sample_mib = min(args.reference_sample_mib, 32) or 32
     args.moe_size = args.moe_size or min(args.size, 1.0)
+    bad_modes = set(args.receiver_mode.split(",")) - {"pull", "stream", "oneshot"}
+    if bad_modes:
+        ap.error(f"unknown receiver modes {sorted(bad_modes)}; choose from pull, stream, oneshot")
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in DENSE_STEPS and c not in MOE_STEPS]
     if unknown:
@@ -772,33 +775,38 @@ def main() -> None:
                         f"  reference (full checkpoint, transport only): {ref_s:.1f} s "
                         f"for {mib(dense.full_bytes)} ({ref_detail})"
                     )
-                    for ch in chains:
-                        selected = [k for k, s in enumerate(ch.steps) if s in cases]
-                        rs = recvs[ch.name][:n]
-                        link = open_link(store, rate, n, moto, work)
-                        try:
-                            # Walk forward from v0 when the receivers are there (or nowhere yet), backward from
-                            # the chain's end when a previous configuration left them there.
-                            at_end = all(r.at == ch.labels[selected[-1] + 1] for r in rs)
-                            order = (
-                                [(k, False) for k in reversed(selected)] if at_end else [(k, True) for k in selected]
-                            )
-                            for k, fwd in order:
-                                start = ch.labels[k] if fwd else ch.labels[k + 1]
-                                for r in rs:
-                                    if r.at != start:
-                                        reset_receiver(r, ch, k if fwd else k + 1, work, memory)
-                                url = link.storage_url(ch.name)
-                                mode = "pull" if store == "local" else args.receiver_mode
-                                refit = run_refit(link, ch, k, fwd, rs, url, work, memory, args.producer, config, mode)
-                                refit.reference = ref_per_byte * refit.full_bytes
-                                refit.ref_detail = (
-                                    ref_detail if ch is dense else "scaled by bytes from the dense reference"
+                    modes = ["pull"] if store == "local" else args.receiver_mode.split(",")
+                    for mode in modes:
+                        for ch in chains:
+                            selected = [k for k, s in enumerate(ch.steps) if s in cases]
+                            rs = recvs[ch.name][:n]
+                            link = open_link(store, rate, n, moto, work)
+                            try:
+                                # Walk forward from v0 when the receivers are there (or nowhere yet), backward from
+                                # the chain's end when a previous configuration left them there.
+                                at_end = all(r.at == ch.labels[selected[-1] + 1] for r in rs)
+                                order = (
+                                    [(k, False) for k in reversed(selected)]
+                                    if at_end
+                                    else [(k, True) for k in selected]
                                 )
-                                refits.append(refit)
-                                report(refit)
-                        finally:
-                            close_link(link)
+                                for k, fwd in order:
+                                    start = ch.labels[k] if fwd else ch.labels[k + 1]
+                                    for r in rs:
+                                        if r.at != start:
+                                            reset_receiver(r, ch, k if fwd else k + 1, work, memory)
+                                    url = link.storage_url(ch.name)
+                                    refit = run_refit(
+                                        link, ch, k, fwd, rs, url, work, memory, args.producer, config, mode
+                                    )
+                                    refit.reference = ref_per_byte * refit.full_bytes
+                                    refit.ref_detail = (
+                                        ref_detail if ch is dense else "scaled by bytes from the dense reference"
+                                    )
+                                    refits.append(refit)
+                                    report(refit)
+                            finally:
+                                close_link(link)
         summary_table(refits)
         memory_table(memory, f"dense {args.size:g} GiB, moe {args.moe_size:g} GiB")
         print(f"\ntotal wall time {time.perf_counter() - t_start:.0f} s")
