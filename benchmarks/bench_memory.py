@@ -204,9 +204,10 @@ def main() -> None:
             t = time.perf_counter()
             base, new = fp8_pair(work / f"fp8-{layers}", layers)
             cases.append((f"megatron fp8, {layers} layers", base, new, fp8_config(layers), time.perf_counter() - t))
-    print(f"peak anonymous memory of dcr diff (RssAnon high-water minus before the diff), workers={args.workers}")
-    columns = "".join(f"{k + ' MiB':>14}{'s':>7}" for k in checkouts)
-    print(f"  {'case':26s}{'model MiB':>10}{'largest MiB':>12}{columns}")
+    if cases:
+        print(f"peak anonymous memory of dcr diff (RssAnon high-water minus before the diff), workers={args.workers}")
+        columns = "".join(f"{k + ' MiB':>14}{'s':>7}" for k in checkouts)
+        print(f"  {'case':26s}{'model MiB':>10}{'largest MiB':>12}{columns}")
     for label, base, new, profile, _ in cases:
         files = [f for f in new.iterdir() if f.is_file()]
         model = sum(f.stat().st_size for f in files)
