@@ -9,7 +9,13 @@ paths, each at two model sizes with the same largest tensor:
 - fp8: a Megatron torch_dist checkpoint (2 TP ranks) diffed through the FP8 block-quantization
   residual path (weight + weight_scale_inv from the BF16 trainer weights), 2 and 6 layers.
 
-    python benchmarks/bench_memory.py [--dir DIR] [--paths hf,fp8] [--workers N]
+A third path, ``store``, measures the transfer commands instead (whole processes, RssAnon sampled
+every 5 ms by benchmarks/harness.py, imports included): ``push`` to a local store and to a moto S3
+endpoint, ``pull`` from it, and ``apply`` straight from it (blocks fetched in the background), for a
+delta whose payload is many 64 MiB blocks (an Adam-like step changing about half of the elements), at
+two model sizes (--store-sizes, GiB).
+
+    python benchmarks/bench_memory.py [--dir DIR] [--paths hf,fp8,store] [--workers N] [--store-sizes 0.5,1.5]
 """
 
 from __future__ import annotations
@@ -116,12 +122,72 @@ def largest(path: Path, profile: dict | None) -> int:
         (src.reader if isinstance(src, ShardCheckpoint) else src).close()
 
 
+def store_memory(work: Path, sizes: list[float], checkouts: dict[str, Path]) -> None:
+    import corpus
+    from bench_refit import CLIENT_ENV, KEY_ID, SECRET, Moto
+    from harness import dcr, run
+
+    print("\npeak RssAnon of the transfer commands (whole process), payload of many 64 MiB blocks")
+    moto = Moto()
+    try:
+        for size in sizes:
+            specs, _ = corpus.dense_specs(int(size * 2**30))
+            paths = corpus.build_chain(
+                work / f"store-{size:g}",
+                specs,
+                [corpus.Step("adam", 0.5)],
+                shard_bytes=min(1 << 30, int(size * 2**29)),
+            )
+            delta = work / f"store-{size:g}-delta"
+            if not (delta / "manifest.json").exists():
+                run(dcr("diff", str(paths[0]), str(paths[1]), "-o", str(delta), "--base-version", "m0",
+                        "--target-version", "m1")).check()  # fmt: skip
+            manifest = json.loads((delta / "manifest.json").read_text())
+            data = [b for b in manifest["blocks"] if b["role"] == "data"]
+            model = sum(f.stat().st_size for f in paths[1].glob("*.safetensors"))
+            print(
+                f"  model {model / 2**30:.2f} GiB, largest tensor {max(x.nbytes for x in specs) / 2**20:.0f} MiB; "
+                f"payload {sum(b['size'] for b in data) / 2**20:.0f} MiB in {len(data)} data blocks"
+            )
+            for label, checkout in checkouts.items():
+                env = {**os.environ, "PYTHONPATH": str(checkout), "AWS_ACCESS_KEY_ID": KEY_ID,
+                       "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
+                       "FSSPEC_S3_ENDPOINT_URL": moto.url, **CLIENT_ENV}  # fmt: skip
+                bucket = f"mem-{label}-{size:g}".replace(".", "-")
+                moto.fs().mkdir(bucket)
+                local = work / f"store-{label}-{size:g}"
+                shutil.rmtree(local, ignore_errors=True)
+                pulled = work / f"pulled-{label}-{size:g}"
+                shutil.rmtree(pulled, ignore_errors=True)
+                receiver = work / f"receiver-{label}-{size:g}"
+                shutil.rmtree(receiver, ignore_errors=True)
+                shutil.copytree(paths[0], receiver)
+                url = f"s3://{bucket}/s"
+                steps = [
+                    ("push local", dcr("push", str(delta), local.as_uri())),
+                    ("push s3", dcr("push", str(delta), url)),
+                    ("pull s3", dcr("pull", url, "--version", "m1", "-o", str(pulled))),
+                    ("apply from s3", dcr("apply", url, "--version", "m1", "--into", str(receiver))),
+                ]
+                row = f"    {label:7s}"
+                for name, argv in steps:
+                    got = run(argv, env, cwd=Path(tempfile.gettempdir())).check()
+                    row += f"  {name} {got.peak_anon / 2**20:6.0f} MiB {got.seconds:5.1f} s"
+                print(row, flush=True)
+                for path in (local, pulled, receiver):
+                    shutil.rmtree(path, ignore_errors=True)
+                moto.fs().rm(bucket, recursive=True)
+    finally:
+        moto.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="corpus directory (kept and reused)")
     ap.add_argument("--paths", default="hf,fp8")
     ap.add_argument("--workers", default="all")
     ap.add_argument("--before", help="another dcr checkout to measure side by side")
+    ap.add_argument("--store-sizes", default="0.5,1.5", help="model sizes in GiB for the store path")
     args = ap.parse_args()
     from bench_diff import make_8b_pair
 
@@ -138,9 +204,10 @@ def main() -> None:
             t = time.perf_counter()
             base, new = fp8_pair(work / f"fp8-{layers}", layers)
             cases.append((f"megatron fp8, {layers} layers", base, new, fp8_config(layers), time.perf_counter() - t))
-    print(f"peak anonymous memory of dcr diff (RssAnon high-water minus before the diff), workers={args.workers}")
-    columns = "".join(f"{k + ' MiB':>14}{'s':>7}" for k in checkouts)
-    print(f"  {'case':26s}{'model MiB':>10}{'largest MiB':>12}{columns}")
+    if cases:
+        print(f"peak anonymous memory of dcr diff (RssAnon high-water minus before the diff), workers={args.workers}")
+        columns = "".join(f"{k + ' MiB':>14}{'s':>7}" for k in checkouts)
+        print(f"  {'case':26s}{'model MiB':>10}{'largest MiB':>12}{columns}")
     for label, base, new, profile, _ in cases:
         files = [f for f in new.iterdir() if f.is_file()]
         model = sum(f.stat().st_size for f in files)
@@ -149,6 +216,8 @@ def main() -> None:
             got = measure(checkout, base, new, work / "delta", args.workers, profile)
             row += f"{(got['peak'] - got['before']) / 2**20:>14.0f}{got['seconds']:>7.1f}"
         print(row, flush=True)
+    if "store" in args.paths:
+        store_memory(work, [float(x) for x in args.store_sizes.split(",")], checkouts)
 
 
 if __name__ == "__main__":

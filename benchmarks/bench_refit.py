@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_refit.py [--quick] [--size 3] [--links 1G,100M] [--receivers 1,4]
         [--stores s3,local] [--cases u1,u3,u5,adam3,moe3] [--producer seq|overlap] [--reference-sample-mib 512]
+        [--receiver-mode stream|oneshot|pull]
 
 Corpus (built locally under --corpus, reused across runs; nothing is downloaded):
 
@@ -13,7 +14,12 @@ Corpus (built locally under --corpus, reused across runs; nothing is downloaded)
 
 Every refit runs as real processes (``python -m dcr_cli``), timed one by one:
 producer ``diff`` then ``push`` (or ``diff --push`` with --producer overlap); then every receiver at
-once ``pull`` -> ``apply --into`` -> ``verify --against`` -> ``ack``; then the producer's ``commit``.
+once, by --receiver-mode: ``stream`` (default): ``apply STORE --version V --into`` (the blocks download
+in the background while the first pass checks the items) -> ``verify --against STORE`` -> ``ack``;
+``oneshot``: the same in one process, ``apply STORE --version V --into --verify --ack``; ``pull``:
+``pull`` -> ``apply --into`` the local copy -> ``verify --against`` it -> ``ack``. A local store is
+throttled by ``--limit-rate``, which only push and pull take: its receivers always pull. Then the
+producer's ``commit``.
 The receivers hold real checkpoints (each its own copy) that walk the chain and are verified bit-exact
 after every step; they are primed once (an untimed no-op apply), so each timed apply is a steady one.
 
@@ -302,7 +308,9 @@ class Refit:
 
     @property
     def transport_measured(self) -> float:
-        return self.stages.get("push", 0.0) + self.stages.get("pull", 0.0)
+        """push + pull; a receiver that applies straight from the store downloads inside its apply."""
+        pull = self.stages["pull"] if "pull" in self.stages else self.stages.get("apply", 0.0)
+        return self.stages.get("push", 0.0) + pull
 
     @property
     def floor(self) -> float:
@@ -320,6 +328,7 @@ def run_refit(
     memory: Memory,
     producer_mode: str,
     config: str,
+    mode: str = "pull",
 ) -> Refit:
     """One refit along the chain: v_k -> v_{k+1} (forward) or v_{k+1} -> v_k."""
     b, t = (k, k + 1) if forward else (k + 1, k)
@@ -368,32 +377,69 @@ def run_refit(
     def receive(node: Node, recv: Receiver) -> None:
         try:
             r: dict[str, Any] = {"stages": {}}
-            pulled = work / "pulls" / f"{uuid.uuid4().hex[:8]}-{node.name}-{target}"
-            pulled.parent.mkdir(parents=True, exist_ok=True)
-            q = record(
-                run(
-                    dcr("pull", store_url, "--version", target, "-o", str(pulled), "--json", *node.rate_flags),
-                    node.env,
-                    name="pull",
+            if mode == "pull":
+                pulled = work / "pulls" / f"{uuid.uuid4().hex[:8]}-{node.name}-{target}"
+                pulled.parent.mkdir(parents=True, exist_ok=True)
+                q = record(
+                    run(
+                        dcr("pull", store_url, "--version", target, "-o", str(pulled), "--json", *node.rate_flags),
+                        node.env,
+                        name="pull",
+                    )
                 )
-            )
-            r["stages"]["pull"] = q.seconds
-            r["downloaded"] = json.loads(q.stdout)["downloaded_bytes"] + summary["manifest_bytes"]
-            a = record(run(dcr("apply", str(pulled), "--into", str(recv.root), "--json"), node.env, name="apply"))
-            r["stages"]["apply"] = a.seconds
-            fp = json.loads(a.stdout)["fingerprint"]
-            v = record(run(dcr("verify", str(recv.root), "--against", str(pulled), "--json"), node.env, name="verify"))
-            if not json.loads(v.stdout)["ok"]:
-                raise RuntimeError(f"{recv.root}: verify failed after apply")
-            r["stages"]["verify"] = v.seconds
-            ack = record(
-                run(dcr("ack", store_url, target, "--receiver", node.name, "--fingerprint", fp), node.env, name="ack")
-            )
-            r["stages"]["ack"] = ack.seconds
+                r["stages"]["pull"] = q.seconds
+                r["downloaded"] = json.loads(q.stdout)["downloaded_bytes"] + summary["manifest_bytes"]
+                source = [str(pulled)]
+            else:
+                # Straight from the store: the blocks download while the first pass checks the items
+                # (each data block once, no repair block: tests/test_apply_from_store.py counts it).
+                pulled = None
+                r["downloaded"] = summary["payload_bytes"] + summary["manifest_bytes"]
+                source = [store_url, "--version", target]
+            if mode == "oneshot":
+                # One process: apply from the store, re-digest every tensor, acknowledge.
+                a = record(
+                    run(
+                        dcr(
+                            "apply",
+                            *source,
+                            "--into",
+                            str(recv.root),
+                            "--verify",
+                            "--json",
+                            "--ack",
+                            store_url,
+                            "--receiver",
+                            node.name,
+                        ),
+                        node.env,
+                        name="apply --verify --ack",
+                    )
+                )
+                r["stages"]["apply"] = a.seconds
+                r["stages"]["verify"] = r["stages"]["ack"] = 0.0
+            else:
+                a = record(run(dcr("apply", *source, "--into", str(recv.root), "--json"), node.env, name="apply"))
+                r["stages"]["apply"] = a.seconds
+                fp = json.loads(a.stdout)["fingerprint"]
+                against = [str(pulled)] if pulled is not None else [store_url, "--version", target]
+                v = record(run(dcr("verify", str(recv.root), "--against", *against, "--json"), node.env, name="verify"))
+                if not json.loads(v.stdout)["ok"]:
+                    raise RuntimeError(f"{recv.root}: verify failed after apply")
+                r["stages"]["verify"] = v.seconds
+                ack = record(
+                    run(
+                        dcr("ack", store_url, target, "--receiver", node.name, "--fingerprint", fp),
+                        node.env,
+                        name="ack",
+                    )
+                )
+                r["stages"]["ack"] = ack.seconds
             r["total"] = sum(r["stages"].values())
             recv.at = target
             results[node.name] = r
-            shutil.rmtree(pulled, ignore_errors=True)
+            if pulled is not None:
+                shutil.rmtree(pulled, ignore_errors=True)
         except BaseException as e:
             errors.append(e)
 
@@ -413,7 +459,8 @@ def run_refit(
     critical = time.perf_counter() - t0
     slowest = max(results.values(), key=lambda r: r["total"])
     for s in ("pull", "apply", "verify", "ack"):
-        stages[s] = slowest["stages"][s]
+        if s in slowest["stages"]:
+            stages[s] = slowest["stages"][s]
     shutil.rmtree(out, ignore_errors=True)
     return Refit(
         config=config,
@@ -431,7 +478,7 @@ def run_refit(
         downloaded=slowest["downloaded"],
         rate=link.rate,
         receivers=len(receivers),
-        extra={"receiver_totals": {n: round(r["total"], 2) for n, r in results.items()}},
+        extra={"receiver_totals": {n: round(r["total"], 2) for n, r in results.items()}, "receiver_mode": mode},
     )
 
 
@@ -522,13 +569,23 @@ def report(r: Refit) -> None:
         f"payload {mib(r.payload)} + manifest {mib(r.manifest)} (compression {r.compression:.1f}x), "
         f"repair {mib(r.repair)}; uploaded {mib(r.uploaded)}, downloaded {mib(r.downloaded)} per receiver"
     )
+    mode = r.extra.get("receiver_mode", "pull")
+    if mode == "pull":
+        receiver = f"pull {st['pull']:.2f} s, apply {st['apply']:.2f} s"
+    else:
+        receiver = f"apply from the store (download overlapped) {st['apply']:.2f} s"
+    if mode == "oneshot":
+        receiver += " (with --verify --ack)"
+    else:
+        receiver += f", verify {st['verify']:.2f} s, ack {st['ack']:.2f} s"
     print(
-        f"    critical path {r.critical:.2f} s = producer {producer} | slowest receiver pull {st['pull']:.2f} s, "
-        f"apply {st['apply']:.2f} s, verify {st['verify']:.2f} s, ack {st['ack']:.2f} s | commit {st['commit']:.2f} s"
+        f"    critical path {r.critical:.2f} s = producer {producer} | slowest receiver {receiver} "
+        f"| commit {st['commit']:.2f} s"
     )
     print(
         f"    transport: push + pull {r.transport_measured:.2f} s = "
-        f"{r.transport_measured / r.critical:.0%} of the critical path; "
+        f"{r.transport_measured / r.critical:.0%} of the critical path"
+        f"{' (the apply from the store counted whole)' if 'pull' not in r.stages else ''}; "
         f"link floor (bytes moved / rate) {r.floor:.2f} s = {share:.0%} (target >= 70% at 100 Mbit/s)"
     )
     print(
@@ -542,7 +599,7 @@ def summary_table(refits: list[Refit]) -> None:
     print("\nsummary (each row measured side by side in this run)")
     head = (
         f"{'config':<24} {'case':<16} {'crit s':>7} {'ref s':>8} {'ref/dcr':>8} {'compr':>7} {'of compr':>8} "
-        f"{'target':>6} {'floor%':>6} {'xport%':>6}"
+        f"{'target':>6} {'floor%':>6} {'xport%':>6} receiver"
     )
     print(head)
     print("-" * len(head))
@@ -553,7 +610,7 @@ def summary_table(refits: list[Refit]) -> None:
         print(
             f"{r.config:<24} {r.case:<16} {r.critical:7.2f} {r.reference:8.1f} {ratio:7.1f}x {r.compression:6.1f}x "
             f"{ratio / r.compression:8.2f} {target:>4} {ok:<4} {r.floor / r.critical:5.0%} "
-            f"{r.transport_measured / r.critical:6.0%}"
+            f"{r.transport_measured / r.critical:6.0%} {r.extra.get('receiver_mode', 'pull')}"
         )
     print("\nstage share of the critical path (mean over the rows above)")
     for s in STAGES:
@@ -634,6 +691,14 @@ def main() -> None:
     ap.add_argument("--stores", default="s3,local")
     ap.add_argument("--producer", choices=["seq", "overlap"], default="seq", help="diff then push, or diff --push")
     ap.add_argument(
+        "--receiver-mode",
+        default="stream",
+        help="comma-separated, each measured in turn: pull (pull, then apply the local copy), stream (apply "
+        "straight from the store: the download overlaps the first pass; then verify, then ack), oneshot (all "
+        "of that in one dcr apply --verify --ack). A local store has no throttle but --limit-rate, which only "
+        "pull takes: its receivers always pull",
+    )
+    ap.add_argument(
         "--reference-sample-mib",
         type=int,
         default=512,
@@ -653,6 +718,9 @@ def main() -> None:
             args.stores = "s3"
         args.reference_sample_mib = min(args.reference_sample_mib, 32) or 32
     args.moe_size = args.moe_size or min(args.size, 1.0)
+    bad_modes = set(args.receiver_mode.split(",")) - {"pull", "stream", "oneshot"}
+    if bad_modes:
+        ap.error(f"unknown receiver modes {sorted(bad_modes)}; choose from pull, stream, oneshot")
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in DENSE_STEPS and c not in MOE_STEPS]
     if unknown:
@@ -671,7 +739,10 @@ def main() -> None:
     t_start = time.perf_counter()
     try:
         chains = build_chains(args, cases)
-        print(f"cores {os.cpu_count()}; dcr from {REPO}; producer mode {args.producer}")
+        print(
+            f"cores {os.cpu_count()}; dcr from {REPO}; producer mode {args.producer}; "
+            f"receiver mode {args.receiver_mode} (s3; a local store's receivers pull)"
+        )
         for ch in chains:
             print(f"{ch.name}: {ch.description}; chain {' -> '.join(ch.labels)} = {', '.join(ch.steps)}")
         if "s3" in args.stores.split(","):
@@ -704,32 +775,38 @@ def main() -> None:
                         f"  reference (full checkpoint, transport only): {ref_s:.1f} s "
                         f"for {mib(dense.full_bytes)} ({ref_detail})"
                     )
-                    for ch in chains:
-                        selected = [k for k, s in enumerate(ch.steps) if s in cases]
-                        rs = recvs[ch.name][:n]
-                        link = open_link(store, rate, n, moto, work)
-                        try:
-                            # Walk forward from v0 when the receivers are there (or nowhere yet), backward from
-                            # the chain's end when a previous configuration left them there.
-                            at_end = all(r.at == ch.labels[selected[-1] + 1] for r in rs)
-                            order = (
-                                [(k, False) for k in reversed(selected)] if at_end else [(k, True) for k in selected]
-                            )
-                            for k, fwd in order:
-                                start = ch.labels[k] if fwd else ch.labels[k + 1]
-                                for r in rs:
-                                    if r.at != start:
-                                        reset_receiver(r, ch, k if fwd else k + 1, work, memory)
-                                url = link.storage_url(ch.name)
-                                refit = run_refit(link, ch, k, fwd, rs, url, work, memory, args.producer, config)
-                                refit.reference = ref_per_byte * refit.full_bytes
-                                refit.ref_detail = (
-                                    ref_detail if ch is dense else "scaled by bytes from the dense reference"
+                    modes = ["pull"] if store == "local" else args.receiver_mode.split(",")
+                    for mode in modes:
+                        for ch in chains:
+                            selected = [k for k, s in enumerate(ch.steps) if s in cases]
+                            rs = recvs[ch.name][:n]
+                            link = open_link(store, rate, n, moto, work)
+                            try:
+                                # Walk forward from v0 when the receivers are there (or nowhere yet), backward from
+                                # the chain's end when a previous configuration left them there.
+                                at_end = all(r.at == ch.labels[selected[-1] + 1] for r in rs)
+                                order = (
+                                    [(k, False) for k in reversed(selected)]
+                                    if at_end
+                                    else [(k, True) for k in selected]
                                 )
-                                refits.append(refit)
-                                report(refit)
-                        finally:
-                            close_link(link)
+                                for k, fwd in order:
+                                    start = ch.labels[k] if fwd else ch.labels[k + 1]
+                                    for r in rs:
+                                        if r.at != start:
+                                            reset_receiver(r, ch, k if fwd else k + 1, work, memory)
+                                    url = link.storage_url(ch.name)
+                                    refit = run_refit(
+                                        link, ch, k, fwd, rs, url, work, memory, args.producer, config, mode
+                                    )
+                                    refit.reference = ref_per_byte * refit.full_bytes
+                                    refit.ref_detail = (
+                                        ref_detail if ch is dense else "scaled by bytes from the dense reference"
+                                    )
+                                    refits.append(refit)
+                                    report(refit)
+                            finally:
+                                close_link(link)
         summary_table(refits)
         memory_table(memory, f"dense {args.size:g} GiB, moe {args.moe_size:g} GiB")
         print(f"\ntotal wall time {time.perf_counter() - t_start:.0f} s")

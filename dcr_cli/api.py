@@ -9,21 +9,24 @@ acknowledgement (``ack``) is sent only after the receiver has proven that it hol
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .delta.reader import Delta, DeltaLike
 from .delta.summary import DiffSummary
 from .errors import DcrError
-from .produce.live import Producer as LiveProducer
 from .receive import plan as receiver_plan
 from .receive.checkpoint import ApplyResult, expand_deltas
 from .receive.checkpoint import apply as apply_checkpoint
 from .receive.verify import VerifyReport
 from .receive.verify import verify as verify_checkpoint
+
+if TYPE_CHECKING:
+    from .produce.live import Producer as LiveProducer
 
 
 def resolve(
@@ -75,13 +78,13 @@ def apply(
     """
     _ack_pair(ack, receiver)
     chosen = _catch_up(deltas, since, version, storage_options, log) if since is not None else None
-    result = apply_checkpoint(
-        chosen if chosen is not None else resolve(deltas, version, storage_options),
-        into=into,
-        workers=workers,
-        verify=verify,
-        log=log,
-    )
+    opened = chosen if chosen is not None else resolve(deltas, version, storage_options)
+    try:
+        result = apply_checkpoint(opened, into=into, workers=workers, verify=verify, log=log)
+    finally:
+        for d in opened:  # a store's blocks download in the background: stop what is no longer needed
+            if isinstance(d, Delta):
+                d.cancel_fetches()
     if ack and receiver:
         _acknowledge(ack, receiver, result.version, result.fingerprint, storage_options)
     return result
@@ -174,28 +177,36 @@ def verify_vllm(url: str, against: DeltaLike | None = None) -> dict[str, Any]:
 # --------------------------------------------------------------------------- live producers
 
 
-class _StoreProducer(LiveProducer):
-    """A live producer that uploads each block as it is written and publishes each delta on a store."""
+@functools.cache
+def _store_producer() -> Callable[..., LiveProducer]:
+    """The store-publishing live producer, defined on first use: the producer package loads the
+    encoder and its numba kernels, which a receiver's ``dcr apply``/``dcr verify`` never needs."""
+    from .produce.live import Producer as LiveProducer
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None, root: Path, *args: Any, **kw: Any) -> None:
-        super().__init__(root, *args, **kw)
-        self.url, self.storage_options = url, storage_options or {}
+    class _StoreProducer(LiveProducer):
+        """A live producer that uploads each block as it is written and publishes each delta on a store."""
 
-    def diff(self, state: Mapping[str, Any], version: str) -> DiffSummary | None:
-        from .store import BlockUploader, push
+        def __init__(self, url: str, storage_options: dict[str, Any] | None, root: Path, *args: Any, **kw: Any) -> None:
+            super().__init__(root, *args, **kw)
+            self.url, self.storage_options = url, storage_options or {}
 
-        uploader = BlockUploader(self.url, self.storage_options)
-        self.on_block = uploader
-        try:
-            summary = super().diff(state, version)
-        finally:
-            self.on_block = None
-            uploader.wait()
-        self.group.barrier()
-        if self.group.rank == 0:
-            push(self.out / version, self.url, storage_options=self.storage_options)
-        self.group.barrier()
-        return summary
+        def diff(self, state: Mapping[str, Any], version: str) -> DiffSummary | None:
+            from .store import BlockUploader, push
+
+            uploader = BlockUploader(self.url, self.storage_options)
+            self.on_block = uploader
+            try:
+                summary = super().diff(state, version)
+            finally:
+                self.on_block = None
+                uploader.wait()
+            self.group.barrier()
+            if self.group.rank == 0:
+                push(self.out / version, self.url, storage_options=self.storage_options)
+            self.group.barrier()
+            return summary
+
+    return _StoreProducer
 
 
 def Producer(
@@ -212,7 +223,9 @@ def Producer(
     the delta is published when complete (as ``dcr diff --push``); deltas are staged in ``staging``
     (a directory every rank can reach; default: a temporary directory).
     """
+    from .produce.live import Producer as LiveProducer
+
     if "://" not in str(out_or_store_url):
         return LiveProducer(out_or_store_url, baseline, **kwargs)
     root = Path(staging) if staging is not None else Path(tempfile.mkdtemp(prefix="dcr-live-"))
-    return _StoreProducer(str(out_or_store_url), storage_options, root, baseline, **kwargs)
+    return _store_producer()(str(out_or_store_url), storage_options, root, baseline, **kwargs)

@@ -9,9 +9,12 @@ A delta is its manifest plus a :class:`BlockSource`. It has a *location*, ``Delt
   (format_spec/store-v1.md §1). The name is the BLAKE3 of the manifest bytes, so the location
   proves what it names: bytes with another digest are refused.
 
-Every section is checked against its digest when read. ``verify_blocks`` checks whole blocks; for a
-remote source it keeps each verified block (memory, then a temporary directory), so that a whole
-apply fetches every data block once, and repair blocks only when a torn item needs them (delta-v1 §7.3).
+Every section is checked against its digest when read. ``verify_blocks`` checks whole blocks. From
+a remote source, ``prefetch_blocks`` downloads them in the background in the order the items use
+them (delta/prefetch.py) and keeps them (memory, then a temporary directory): a section read waits
+only for its own bytes, so a receiver's first pass runs while later blocks are still on the wire, and
+a whole apply fetches every data block once, repair blocks only when a torn item needs them
+(delta-v1 §7.3). ``verify_blocks`` waits for the whole blocks: receivers call it before their first write.
 """
 
 from __future__ import annotations
@@ -19,20 +22,22 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import numpy as np
 
 from ..errors import DcrError, FormatError, IntegrityError
-from ..format.codec import DecodedItem, decode_data, decode_values
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, BlockEntry, Item, Manifest, Section, parse_manifest
-from .source import BlockSource, BlockSpool
+from .prefetch import BlockFetcher
+from .source import BlockSource
+
+if TYPE_CHECKING:
+    from ..format.codec import DecodedItem
 
 STORE_MANIFESTS = "manifests"  # store-v1 §1: manifests/<digest>.json beside blocks/
 _STORE_MANIFEST = re.compile(rf"(?P<root>.*)/{STORE_MANIFESTS}/(?P<digest>[0-9a-f]{{64}})\.json")
@@ -50,7 +55,7 @@ class Delta:
     source: BlockSource
     label: str = ""  # for messages (default: the location)
     manifest_path: str = ""  # where the manifest's bytes are, on the source's filesystem
-    _spool: BlockSpool = field(default_factory=BlockSpool, repr=False)
+    _fetchers: list[BlockFetcher] = field(default_factory=list, repr=False)  # remote blocks fetched or on the way
 
     def __post_init__(self) -> None:
         self.label = self.label or self.url
@@ -96,7 +101,10 @@ class Delta:
 
     def has_block(self, block: BlockEntry) -> bool:
         """Whether the block can be read here (fetched already, or present at the source)."""
-        return block.id in self._spool or self.source.exists(block)
+        return self._fetcher_of(block.id) is not None or self.source.exists(block)
+
+    def _fetcher_of(self, block_id: str) -> BlockFetcher | None:
+        return next((f for f in self._fetchers if block_id in f), None)
 
     def raw_manifest(self) -> bytes:
         """The manifest's bytes, read again; IntegrityError if they are no longer the ones opened."""
@@ -110,8 +118,9 @@ class Delta:
     def read_section(self, section: Section, what: str) -> bytes:
         block = self.manifest.blocks[section.block]
         end = section.offset + section.length
-        if block.id in self._spool:
-            data = self._spool.read(block.id, section.offset, end)
+        fetcher = self._fetcher_of(block.id)
+        if fetcher is not None:  # waits until these bytes have arrived
+            data = fetcher.read(block.id, section.offset, end)
         else:
             try:
                 data = self.source.read(block, section.offset, end)
@@ -123,31 +132,55 @@ class Delta:
             raise IntegrityError(f"{what}: block {block.id[:16]}… is corrupt (digest mismatch)")
         return data
 
+    def prefetch_blocks(self, roles: tuple[str, ...] = ("data",), *, workers: int = FETCH_WORKERS) -> None:
+        """Start fetching a remote delta's blocks of these roles in the background, in the order the
+        items use them; section reads wait only for their own bytes. Call :meth:`verify_blocks` before
+        relying on a block as a whole (receivers: before their first write). A local source has
+        nothing to fetch: its blocks are checked here, at once, as ``verify_blocks`` does."""
+        if not self.source.remote:
+            self.verify_blocks(roles)
+            return
+        wanted = {b.id: b for b in self.manifest.blocks if b.role in roles and self._fetcher_of(b.id) is None}
+        if not wanted:
+            return
+        first_use: dict[str, BlockEntry] = {}
+        for item in self.manifest.items:
+            for section in (item.data, item.repair):
+                if section is not None:
+                    block = self.manifest.blocks[section.block]
+                    if block.id in wanted:
+                        first_use.setdefault(block.id, block)
+        order = [*first_use.values(), *(b for i, b in wanted.items() if i not in first_use)]
+        self._fetchers.append(BlockFetcher(self.source, order, workers=workers))
+
     def verify_blocks(self, roles: tuple[str, ...] = ("data",)) -> None:
         """Check that every block of the given roles is present, of its size and digest.
 
         Reads each block in bounded ranges, never more than its declared size plus one byte. From
-        a remote source the verified blocks are kept, so later section reads fetch nothing again.
+        a remote source each block is fetched once (by :meth:`prefetch_blocks`, started here if it
+        was not) and kept, so later section reads fetch nothing again.
         """
-        wanted = list({b.id: b for b in self.manifest.blocks if b.role in roles and b.id not in self._spool}.values())
-
-        def fetch(block: BlockEntry) -> None:
-            try:
-                if self.source.remote:
-                    self._spool.add(block.id, self.source.chunks(block), block.size)
-                else:
+        wanted = list({b.id: b for b in self.manifest.blocks if b.role in roles}.values())
+        if not self.source.remote:
+            for block in wanted:
+                try:
                     for _ in self.source.chunks(block):
                         pass
-            except FileNotFoundError:
-                raise IntegrityError(f"block {block.id[:16]}… is missing from {self.label}") from None
-
-        if not self.source.remote or len(wanted) < 2:
-            for block in wanted:
-                fetch(block)
+                except FileNotFoundError:
+                    raise IntegrityError(f"block {block.id[:16]}… is missing from {self.label}") from None
             return
-        with ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="dcr-fetch") as pool:
-            for future in [pool.submit(fetch, b) for b in wanted]:
-                future.result()
+        self.prefetch_blocks(roles)
+        for block in wanted:
+            fetcher = self._fetcher_of(block.id)
+            assert fetcher is not None
+            fetcher.wait_block(block.id)
+
+    def cancel_fetches(self) -> None:
+        """Stop background downloads (a receiver that failed no longer needs them); blocks that had not
+        arrived whole are fetched afresh if this delta is read again."""
+        for fetcher in self._fetchers:
+            fetcher.cancel()
+        self._fetchers = [f for f in self._fetchers if f.complete]
 
     def check_repair_blocks(self) -> None:
         """Repair blocks are optional. Local ones that are here must be intact (checked whole); a remote
@@ -165,6 +198,8 @@ class Delta:
                     ) from None
 
     def decode(self, item: Item) -> DecodedItem:
+        from ..format.codec import decode_data  # its kernels import numba: only what decodes pays for it
+
         what = f"{item.tensor} {item.region.to_json()}"
         data = self.read_section(item.data, what)
         dt = lookup_dtype(self.manifest.tensors[item.tensor].dtype)
@@ -174,6 +209,8 @@ class Delta:
         """Target values at the item's positions: what an absolute overwrite writes."""
         if item.repair is None:
             raise FormatError(f"{item.tensor}: item has no repair section")
+        from ..format.codec import decode_values
+
         what = f"{item.tensor} {item.region.to_json()} repair"
         data = self.read_section(item.repair, what)
         dt = lookup_dtype(self.manifest.tensors[item.tensor].dtype)

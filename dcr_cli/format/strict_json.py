@@ -14,7 +14,6 @@ import math
 import re
 from typing import Any
 
-import numba
 import numpy as np
 
 from ..errors import FormatError
@@ -51,63 +50,42 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def _scan(raw: np.ndarray) -> tuple[int, int]:  # pragma: no cover - compiled
-    """(deepest bracket nesting, most digits of an integer literal), strings excluded: one pass,
-    constant memory, no recursion, no regex (a regex over strings backtracks quadratically on an
-    unterminated string of escaped quotes). An integer literal is a run of digits that is neither
-    the fraction or exponent of a number nor followed by one (what json calls parse_int on)."""
-    depth = 0
-    deepest = 0
-    longest = 0
-    in_string = False
-    escaped = False
-    n = raw.shape[0]
-    i = 0
-    while i < n:
-        c = raw[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 0x5C:  # backslash
-                escaped = True
-            elif c == 0x22:  # quote
-                in_string = False
-        elif c == 0x22:
-            in_string = True
-        elif c == 0x5B or c == 0x7B:  # [ {
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-        elif c == 0x5D or c == 0x7D:  # ] }
-            depth -= 1
-        elif 0x30 <= c <= 0x39:  # a run of digits
-            j = i
-            while j < n and 0x30 <= raw[j] <= 0x39:
-                j += 1
-            before = raw[i - 1] if i > 0 else 0x20
-            if before == 0x2B or before == 0x2D:  # a sign: an exponent's if an e precedes it
-                before = raw[i - 2] if i > 1 else 0x20
-            after = raw[j] if j < n else 0x20
-            fraction_or_exponent = before == 0x2E or before == 0x65 or before == 0x45  # . e E
-            float_part = after == 0x2E or after == 0x65 or after == 0x45
-            if not fraction_or_exponent and not float_part and j - i > longest:
-                longest = j - i
-            i = j
-            continue
-        i += 1
-    return deepest, longest
+# A JSON string from its opening quote: any run of plain characters and backslash escapes, then the
+# closing quote if there is one (an unterminated string runs to the end). The unrolled form never
+# backtracks, so the scan is linear in the input; no string can contain a quote it does not escape.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+COMPILED_FROM = 256 << 10  # bytes: larger documents (big manifests) take the compiled scan
 
 
 def _depth(raw: bytes) -> int:
-    """Deepest bracket nesting, strings excluded; linear, no recursion."""
-    return _scan_bytes(raw)[0]
+    """Deepest bracket nesting outside strings; linear, no recursion.
+
+    Small documents (store records, state files, most manifests): the strings are cut out with the
+    regex above (backslash escapes count inside strings only, as in JSON), then the running sum of
+    the brackets left is the nesting; plain re and numpy. Large ones take ``_scan_large``. Both give
+    the same depth for any input.
+    """
+    if len(raw) >= COMPILED_FROM:
+        return _scan_large(raw)[0]
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = _STEP[np.frombuffer(brackets, dtype=np.uint8)].astype(np.int32)
+    return max(0, int(np.cumsum(steps).max()))
 
 
-def _scan_bytes(raw: bytes) -> tuple[int, int]:
-    if not raw:
-        return 0, 0
-    deepest, longest = _scan(np.frombuffer(raw, dtype=np.uint8))
+def _scan_large(raw: bytes) -> tuple[int, int]:
+    """(deepest nesting, most digits of an integer literal) by a compiled one-pass scan, whose module
+    imports numba only when a large document is read."""
+    from ._json_depth import scan
+
+    deepest, longest = scan(np.frombuffer(raw, dtype=np.uint8))
     return int(deepest), int(longest)
 
 
@@ -148,7 +126,8 @@ def load_json(raw: bytes | str, what: str) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{what}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    depth, digits = _scan_bytes(data)
+    large = len(data) >= COMPILED_FROM
+    depth, digits = _scan_large(data) if large else (_depth(data), 0)
     if depth > MAX_DEPTH:
         raise FormatError(f"{what}: JSON nested {depth} levels deep (at most {MAX_DEPTH})")
     try:
@@ -157,6 +136,8 @@ def load_json(raw: bytes | str, what: str) -> Any:
         obj = json.loads(
             text,
             object_pairs_hook=_pairs,
+            # A small document's integers are checked as they parse; a large one's by the scan.
+            parse_int=None if large else _parse_int,
             parse_float=_parse_float,
             parse_constant=_refuse_constant,
         )

@@ -20,6 +20,7 @@ import contextlib
 import os
 import threading
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
@@ -73,6 +74,10 @@ class Backend:
         """Readers see the previous state or all of ``data``, never a part."""
         self.fs.pipe_file(path, data)  # one PUT: object stores make it visible only when complete
 
+    def put_chunks(self, path: str, chunks: Iterable[bytes]) -> None:
+        """As ``put``, from chunks (an error while they are produced writes nothing). Here: joined, one PUT."""
+        self.put(path, b"".join(chunks))
+
     def create(self, path: str, data: bytes) -> None:
         """Create only if the name is free, else FileExistsError. Here: check, then write (not atomic)."""
         if self.fs.exists(path):
@@ -111,6 +116,16 @@ class LocalBackend(Backend):
             raise
         fsync_dir(os.path.dirname(path) or ".")
 
+    def put_chunks(self, path: str, chunks: Iterable[bytes]) -> None:
+        """Streamed to a temporary name and renamed once complete: memory holds one chunk, not the object."""
+        tmp = self._tmp(path, chunks)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        fsync_dir(os.path.dirname(path) or ".")
+
     def create(self, path: str, data: bytes) -> None:
         tmp = self._tmp(path, data)
         try:
@@ -120,14 +135,19 @@ class LocalBackend(Backend):
         fsync_dir(os.path.dirname(path) or ".")
 
     @staticmethod
-    def _tmp(path: str, data: bytes) -> str:
+    def _tmp(path: str, data: bytes | Iterable[bytes]) -> str:
         directory, name = os.path.split(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}-{name}")
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "xb") as f:
+                for chunk in (data,) if isinstance(data, bytes) else data:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
         return tmp
 
 

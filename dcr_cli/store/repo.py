@@ -24,7 +24,7 @@ import builtins
 import contextlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -250,6 +250,7 @@ class Store:
         self.fs = self.backend.fs
         self.root = root.rstrip("/") or root
         self.allow_unsafe_publish = allow_unsafe_publish
+        self._marker: dict[str, Any] | None = None  # the marker is create-only and never changes: read once
 
     # -- backend capabilities ------------------------------------------------------------------------------------
 
@@ -358,6 +359,10 @@ class Store:
         """Write an object whole: readers see the previous state or all of ``data``, never a part."""
         self.call(lambda: self.backend.put(self.path(rel), data), f"write {rel}")
 
+    def put_chunks(self, rel: str, chunks: Callable[[], Iterable[bytes]]) -> None:
+        """As ``put``, from the chunks ``chunks()`` yields (called again if a transient error retries the write)."""
+        self.call(lambda: self.backend.put_chunks(self.path(rel), chunks()), f"write {rel}")
+
     def create(self, rel: str, data: bytes) -> None:
         """Create an object only if the name is free; raise FileExistsError if someone got there first."""
         self.require_atomic_publish()
@@ -374,7 +379,11 @@ class Store:
         return parse_record(raw, kind, f"{self.url}/{rel}")
 
     def marker(self) -> dict[str, Any] | None:
-        return self.read_record(MARKER, STORE_FORMAT)
+        """The store marker; once found it is kept (store-v1: written create-only, never rewritten), which
+        saves a commit or a push a round trip per question about the genesis."""
+        if self._marker is None:
+            self._marker = self.read_record(MARKER, STORE_FORMAT)
+        return self._marker
 
     def require_marker(self) -> dict[str, Any]:
         marker = self.marker()

@@ -13,23 +13,40 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .repo import BLOCKS, Store
+from .transfer import PUSH_BUDGET_BYTES
 
 
 class BlockUploader:
-    """Uploads blocks in the background; at most ``2 x workers`` blocks wait in memory (backpressure)."""
+    """Uploads blocks in the background; the diff waits (backpressure) while the blocks handed over and
+    not yet uploaded hold ``budget`` bytes, so memory does not grow with workers x block size."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, workers: int = 4) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        workers: int = 4,
+        budget: int = PUSH_BUDGET_BYTES,
+    ) -> None:
         self.store = Store(url, storage_options)
         self.store.require_atomic_publish()  # fail before the diff, not after it
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcr-upload")
-        self._slots = threading.BoundedSemaphore(2 * workers)
+        self._slots = 2 * workers  # blocks waiting, at most
+        self._budget = budget
+        self._held = 0  # bytes of the blocks waiting
+        self._waiting = 0
+        self._cond = threading.Condition()
         self._futures: list[Future[None]] = []
         self.uploaded_blocks = 0
         self.uploaded_bytes = 0
         self._count_lock = threading.Lock()
 
     def __call__(self, block_id: str, data: bytes) -> None:
-        self._slots.acquire()
+        with self._cond:
+            while self._waiting and (self._waiting >= self._slots or self._held + len(data) > self._budget):
+                self._cond.wait()
+            self._waiting += 1
+            self._held += len(data)
         self._futures.append(self._pool.submit(self._upload, block_id, data))
 
     def _upload(self, block_id: str, data: bytes) -> None:
@@ -42,7 +59,10 @@ class BlockUploader:
                 self.uploaded_blocks += 1
                 self.uploaded_bytes += len(data)
         finally:
-            self._slots.release()
+            with self._cond:
+                self._waiting -= 1
+                self._held -= len(data)
+                self._cond.notify_all()
 
     def wait(self) -> None:
         """Wait for every upload; raise the first failure (the push that follows would retry it anyway)."""

@@ -18,7 +18,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +50,7 @@ from .repo import (
 Progress = Callable[[int], None]  # called with bytes transferred
 Total = Callable[[int], None]  # called once, before the transfer, with the bytes it will count
 DEFAULT_WORKERS = 8
+PUSH_BUDGET_BYTES = 128 << 20  # block bytes a push to an object store holds in memory at once, over all workers
 # A present block older than this is written again by push (format_spec/store-v1.md §4.1 step 4). It
 # must stay well below dcr gc's grace period (1 h by default) minus the longest push.
 REFRESH_S = 15 * 60.0
@@ -75,6 +76,32 @@ class RateLimit:
         delay = due - time.monotonic()
         if delay > 0:
             time.sleep(delay)
+
+
+class ByteBudget:
+    """Bytes held at once by transfers in flight: a transfer waits until its bytes fit, or runs alone.
+
+    Pushing whole blocks on ``workers`` threads would otherwise hold workers x block size (8 x 64 MiB)
+    in memory whatever the delta; with a budget, peak memory is the budget plus one block at most.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.held = 0
+        self.cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        with self.cond:
+            while self.held and self.held + n > self.limit:
+                self.cond.wait()
+            self.held += n
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.held -= n
+                self.cond.notify_all()
 
 
 def parallel(tasks: Iterable[Callable[[], T]], workers: int) -> list[T]:
@@ -201,15 +228,23 @@ def push(
     now = time.time()
     refreshed = [] if existing is not None else [b for b in kept if _written_before(found[b.id], now - REFRESH_S)]
     limiter = RateLimit(limit_rate) if limit_rate else None
+    budget = ByteBudget(PUSH_BUDGET_BYTES)
 
     def upload(block: BlockEntry) -> Callable[[], None]:
+        def chunks() -> Iterator[bytes]:
+            for chunk in _local_block_chunks(source, block):
+                if limiter is not None:
+                    limiter.take(len(chunk))
+                yield chunk
+
         def run() -> None:
-            data = _read_local_block(source, block)
-            if limiter is not None:
-                limiter.take(len(data))
-            store.put(f"{BLOCKS}/{block.id}", data)
+            if store.capabilities.local_files:  # streamed to a temporary file: one chunk in memory
+                store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
+            else:
+                with budget.hold(block.size):  # one PUT of the whole block
+                    store.put(f"{BLOCKS}/{block.id}", b"".join(chunks()))
             if progress is not None:
-                progress(len(data))
+                progress(block.size)
 
         return run
 
@@ -276,9 +311,12 @@ def _corrupt_on_store(store: Store, blocks: list[BlockEntry], workers: int) -> l
     return [b for b, ok in zip(blocks, intact, strict=True) if not ok]
 
 
-def _read_local_block(source: Delta, block: BlockEntry) -> bytes:
+def _local_block_chunks(source: Delta, block: BlockEntry) -> Iterator[bytes]:
+    """The block's bytes in bounded ranges. A wrong size or digest raises, at the latest when the chunk after
+    the last is asked for: a consumer that writes them as they come publishes only once the iterator is
+    exhausted (the local store renames its temporary file only then)."""
     try:
-        return b"".join(source.source.chunks(block))  # bounded by the declared size, digest checked
+        yield from source.source.chunks(block)  # bounded by the declared size, digest checked
     except FileNotFoundError:
         raise IntegrityError(f"{source.label}: block {block.id[:16]}… is missing; the delta is incomplete") from None
     except IntegrityError:

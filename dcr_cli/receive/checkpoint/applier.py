@@ -132,7 +132,7 @@ def expand_deltas(deltas: DeltaLike | Sequence[DeltaLike]) -> list[Delta]:
 def check_delta(delta: Delta) -> None:
     """Everything about a delta that can be checked without the receiver: manifest table, block digests."""
     receiver_plan.check_table(delta.manifest, delta.url)
-    delta.verify_blocks(("data",))  # from a store: fetched once here, and kept for the apply
+    delta.prefetch_blocks(("data",))  # from a store: fetched once, in the background, while the first pass reads
     delta.check_repair_blocks()  # optional; local ones must be intact, a store's are fetched only if needed
 
 
@@ -474,6 +474,7 @@ def _check_plan(plan: list[Delta], start_table: dict[str, TensorEntry] | None) -
         if k:  # the first delta's items are checked (and classified) by its first pass
             for item in d.manifest.items:
                 d.decode(item)
+            d.verify_blocks(("data",))
         base_table = d.manifest.tensors
 
 
@@ -505,6 +506,7 @@ def _apply_one(
     with InPlaceFiles(locations, writable=True) as files, explain_enospc(root):
         files.open_all(touched := sorted(receiver_plan.touched(m)))
         prepared = first_pass(delta, files, resumed, workers)  # raises before anything is written
+        delta.verify_blocks(("data",))  # every data block whole (waits for a store's download), before any write
         if base_table is not None and read_recorded_table(root, m.base.fingerprint) is None:
             write_recorded_table(root, base_table)  # so that a resume can check what it did not touch
         with SafetensorsCheckpoint(root) as ckpt:

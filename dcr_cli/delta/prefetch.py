@@ -1,0 +1,239 @@
+"""Fetching a remote delta's blocks in the background while the receiver's first pass reads them.
+
+A :class:`BlockFetcher` downloads the blocks it is given, in that order (the order in which the
+receiver's first pass uses them), as ranged reads on a few threads, at most ``budget`` bytes in
+flight. Each block is assembled at its offsets (in memory up to a limit, then in a temporary file)
+and its digest computed as its bytes become contiguous; a reader asks for a byte range of a block and
+waits only until that range has arrived. So the first item of a delta can be checked while the
+last block is still on the wire.
+
+What a reader gets is unchecked bytes: the caller checks every section against its own digest
+(``Delta.read_section``), and a whole block is valid only once :meth:`wait_all` (or
+:meth:`wait_block`) has returned, which is when its size and digest have been checked. Receivers
+call it before their first write, so overlapping the download with the first pass moves no write
+before a check. Every block is read once, never more than its declared size plus one byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import IntegrityError
+from ..format.digest import StreamingDigest
+from ..format.manifest import BlockEntry
+from .source import BlockSource
+
+RANGE_BYTES = 4 << 20  # one ranged read
+WINDOW_BYTES = 32 << 20  # ranges being fetched at once (their bytes are in memory until written)
+# Blocks kept in anonymous memory up to this, the rest in a temporary directory (page cache, which the
+# kernel can write out): a receiver's memory does not grow with the delta.
+MEMORY_BYTES = 64 << 20
+WORKERS = 8
+
+
+@dataclass
+class _Block:
+    entry: BlockEntry
+    ranges: list[tuple[int, int]]  # [lo, hi) of the block, hi of the last one is size + 1
+    data: bytearray | None = None  # in memory, or
+    path: str | None = None  # in a temporary file
+    fd: int = -1
+    arrived: set[int] = field(default_factory=set)  # indexes of ranges written
+    contiguous: int = 0  # bytes from the start that have arrived
+    next_range: int = 0  # first range not yet folded into ``contiguous``
+    digest: StreamingDigest = field(default_factory=StreamingDigest)
+    done: bool = False  # size and digest checked
+    error: BaseException | None = None
+
+
+class BlockFetcher:
+    """Background, ordered, budgeted download of whole blocks from a (remote) block source."""
+
+    def __init__(
+        self,
+        source: BlockSource,
+        blocks: Sequence[BlockEntry],
+        *,
+        workers: int = WORKERS,
+        window: int = WINDOW_BYTES,
+        range_bytes: int = RANGE_BYTES,
+        memory: int = MEMORY_BYTES,
+    ) -> None:
+        self.source = source
+        self._cond = threading.Condition()
+        self._blocks: dict[str, _Block] = {}
+        self._order: list[tuple[_Block, int]] = []  # (block, range index), in fetch order
+        self._next = 0  # next entry of _order to start
+        self._in_flight = 0  # bytes of ranges started and not yet written
+        self._window = max(window, range_bytes)
+        self._cancelled = False
+        self._dir: str | None = None
+        held = 0
+        for entry in blocks:
+            if entry.id in self._blocks:
+                continue
+            ranges = [(lo, min(lo + range_bytes, entry.size)) for lo in range(0, max(entry.size, 1), range_bytes)]
+            lo, hi = ranges[-1]
+            ranges[-1] = (lo, hi + 1)  # one byte more: is the object longer than declared?
+            block = _Block(entry, ranges)
+            if held + entry.size <= memory:
+                block.data = bytearray(entry.size)
+                held += entry.size
+            else:
+                if self._dir is None:
+                    self._dir = tempfile.mkdtemp(prefix="dcr-fetch-")
+                    weakref.finalize(self, shutil.rmtree, self._dir, True)
+                block.path = os.path.join(self._dir, entry.id)
+                block.fd = os.open(block.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                weakref.finalize(self, _close_quietly, block.fd)
+            self._blocks[entry.id] = block
+            self._order.extend((block, i) for i in range(len(ranges)))
+        # Daemon threads: a receiver that fails early exits without waiting for downloads it no longer needs.
+        self._threads = [
+            threading.Thread(target=self._work, name=f"dcr-fetch-{i}", daemon=True)
+            for i in range(max(1, min(workers, len(self._order))))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def __contains__(self, block_id: str) -> bool:
+        return block_id in self._blocks
+
+    # -- the workers ------------------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while (
+                    not self._cancelled
+                    and self._next < len(self._order)
+                    and self._in_flight > 0
+                    and self._in_flight + self._cost(self._order[self._next]) > self._window
+                ):
+                    self._cond.wait()
+                if self._cancelled or self._next >= len(self._order):
+                    return
+                block, index = self._order[self._next]
+                self._next += 1
+                if block.error is not None:
+                    continue
+                cost = self._cost((block, index))
+                self._in_flight += cost
+            try:
+                self._fetch(block, index)
+            except BaseException as exc:  # handed to whoever reads or waits for this block
+                with self._cond:
+                    if block.error is None:
+                        block.error = _as_integrity(exc, block.entry, self.source.label)
+                    self._cond.notify_all()
+            finally:
+                with self._cond:
+                    self._in_flight -= cost
+                    self._cond.notify_all()
+
+    @staticmethod
+    def _cost(job: tuple[_Block, int]) -> int:
+        lo, hi = job[0].ranges[job[1]]
+        return hi - lo
+
+    def _fetch(self, block: _Block, index: int) -> None:
+        entry = block.entry
+        lo, hi = block.ranges[index]
+        last = index == len(block.ranges) - 1
+        want = (hi - 1 if last else hi) - lo
+        data = self.source.read(entry, lo, hi)
+        if len(data) > want:
+            raise IntegrityError(
+                f"block {entry.id[:16]}… in {self.source.label} is larger than the {entry.size} bytes the manifest says"
+            )
+        if len(data) < want:
+            raise IntegrityError(f"block {entry.id[:16]}… in {self.source.label} is truncated")
+        if block.data is not None:
+            block.data[lo : lo + want] = data
+        else:
+            os.pwrite(block.fd, data, lo)
+        with self._cond:
+            block.arrived.add(index)
+            start = block.contiguous
+            while block.next_range in block.arrived:
+                _r_lo, r_hi = block.ranges[block.next_range]
+                block.contiguous = min(r_hi, entry.size)
+                block.next_range += 1
+            end = block.contiguous
+            if end > start:  # fold the newly contiguous bytes into the digest, in order
+                block.digest.update(self._bytes(block, start, end))
+            if block.next_range == len(block.ranges):
+                if block.digest.hexdigest() != entry.id:
+                    block.error = IntegrityError(
+                        f"block {entry.id[:16]}… in {self.source.label} is corrupt (digest mismatch)"
+                    )
+                else:
+                    block.done = True
+            self._cond.notify_all()
+
+    @staticmethod
+    def _bytes(block: _Block, start: int, end: int) -> bytes | memoryview:
+        if block.data is not None:
+            return memoryview(block.data)[start:end]
+        return os.pread(block.fd, end - start, start)
+
+    # -- readers ----------------------------------------------------------------------------------------------------
+
+    def read(self, block_id: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of a block once they have arrived (unchecked: the caller checks its section)."""
+        block = self._blocks[block_id]
+        end = min(end, block.entry.size)
+        with self._cond:
+            while block.error is None and block.contiguous < end and not self._cancelled:
+                self._cond.wait()
+            if block.error is not None:
+                raise block.error
+            if self._cancelled and block.contiguous < end:
+                raise IntegrityError(f"block {block_id[:16]}… of {self.source.label}: the download was cancelled")
+        return bytes(self._bytes(block, start, max(start, end)))
+
+    def wait_block(self, block_id: str) -> None:
+        """Return once the block has arrived whole with its size and digest; raise why it did not."""
+        block = self._blocks[block_id]
+        with self._cond:
+            while block.error is None and not block.done and not self._cancelled:
+                self._cond.wait()
+            if block.error is not None:
+                raise block.error
+            if not block.done:
+                raise IntegrityError(f"block {block_id[:16]}… of {self.source.label}: the download was cancelled")
+
+    def wait_all(self) -> None:
+        """Every block checked whole, or the first failure in fetch order."""
+        for block_id in self._blocks:
+            self.wait_block(block_id)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every block has arrived whole and been checked."""
+        with self._cond:
+            return all(b.done for b in self._blocks.values())
+
+    def cancel(self) -> None:
+        """Stop starting ranges (the ones in flight finish); readers waiting get an error."""
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+
+
+def _as_integrity(exc: BaseException, entry: BlockEntry, label: str) -> BaseException:
+    if isinstance(exc, FileNotFoundError):
+        return IntegrityError(f"block {entry.id[:16]}… is missing from {label}")
+    return exc
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

@@ -1,0 +1,223 @@
+"""Store transfers in bounded memory, and applying from a store while its blocks download (issue 12 §2, §5)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from checkpoints import read_bits
+from store_fixtures import REPO_ROOT, S3Endpoint, big_delta, run_dcr
+
+from dcr_cli.delta.prefetch import BlockFetcher
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import IntegrityError
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    """Every file of a checkpoint directory, the receiver's own state included (its lock file aside)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -- the fetcher on its own, over a local delta's blocks ------------------------------------------------------------
+
+
+def test_the_fetcher_assembles_blocks_from_many_ranges_in_memory_and_on_disk(tmp_path: Path) -> None:
+    delta = Delta.open(big_delta(tmp_path, sparse=True))
+    blocks = list({b.id: b for b in delta.manifest.blocks}.values())
+    assert len(blocks) > 8 and all(b.size > 300 for b in blocks)
+    # 100-byte ranges, a window of 3 ranges, the first blocks in memory and the rest in a temporary file.
+    half = sum(b.size for b in blocks[: len(blocks) // 2])
+    fetcher = BlockFetcher(delta.source, blocks, workers=3, window=300, range_bytes=100, memory=half)
+    fetcher.wait_all()
+    for b in blocks:
+        whole = Path(delta.block_path(b)).read_bytes()
+        assert fetcher.read(b.id, 0, b.size) == whole
+        assert fetcher.read(b.id, 17, 250) == whole[17:250]
+
+
+def test_the_fetcher_refuses_a_corrupt_a_truncated_and_a_longer_block(tmp_path: Path) -> None:
+    delta = Delta.open(big_delta(tmp_path, sparse=True))
+    blocks = list({b.id: b for b in delta.manifest.blocks}.values())
+    corrupt, short, long = blocks[-1], blocks[-2], blocks[-3]
+    for block, change in ((corrupt, "flip"), (short, "cut"), (long, "grow")):
+        path = Path(delta.block_path(block))
+        raw = bytearray(path.read_bytes())
+        if change == "flip":
+            raw[len(raw) // 2] ^= 1
+        elif change == "cut":
+            del raw[-1]
+        else:
+            raw += b"\0"
+        path.write_bytes(bytes(raw))
+    fetcher = BlockFetcher(delta.source, blocks, workers=2, range_bytes=128)
+    for block in blocks[:-3]:
+        fetcher.wait_block(block.id)  # the intact ones are fine
+    with pytest.raises(IntegrityError, match="corrupt"):
+        fetcher.wait_block(corrupt.id)
+    with pytest.raises(IntegrityError, match="truncated"):
+        fetcher.wait_block(short.id)
+    with pytest.raises(IntegrityError, match="larger than"):
+        fetcher.wait_block(long.id)
+    with pytest.raises(IntegrityError):
+        fetcher.wait_all()
+
+
+# -- from a real S3 endpoint ---------------------------------------------------------------------------------------
+
+
+class Throttle:
+    """benchmarks/throttle.py in front of the endpoint: a slow link, as in bench_refit."""
+
+    def __init__(self, upstream: str, rate: float) -> None:
+        port = upstream.rsplit(":", 1)[1]
+        script = str(REPO_ROOT / "benchmarks" / "throttle.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, "--target", f"127.0.0.1:{port}", "--rate", str(rate)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def test_the_first_pass_reads_early_blocks_while_later_ones_download(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    from dcr_cli.store import open_delta, push
+
+    local = big_delta(tmp_path)  # one 16 KiB data block per tensor, no repair blocks
+    push(local, s3_url, storage_options=s3_endpoint.storage_options)
+    payload = sum(b.size for b in Delta.open(local).manifest.blocks if b.role == "data")
+    throttle = Throttle(s3_endpoint.url, payload / 2.0)  # the whole payload takes about 2 s
+    try:
+        remote = open_delta(s3_url, "v1", storage_options={**s3_endpoint.storage_options, "endpoint_url": throttle.url})
+        started = time.perf_counter()
+        remote.prefetch_blocks(("data",))
+        remote.decode(remote.manifest.items[0])
+        first = time.perf_counter() - started
+        remote.verify_blocks(("data",))
+        whole = time.perf_counter() - started
+        for item in remote.manifest.items:
+            remote.decode(item)  # all there: nothing waits any more
+        after = time.perf_counter() - started - whole
+    finally:
+        throttle.close()
+    assert whole > 1.5, whole  # the link really was slow
+    assert first < 0.4 * whole, (first, whole)  # the first item did not wait for the last block
+    assert after < 0.2, after
+
+
+def test_a_corrupt_late_block_leaves_the_receiver_untouched(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    from dcr_cli.store import push
+
+    local = big_delta(tmp_path)
+    push(local, s3_url, storage_options=s3_endpoint.storage_options)
+    manifest = Delta.open(local).manifest
+    last = manifest.blocks[manifest.items[-1].data.block]  # the last one the first pass reaches
+    fs = s3_endpoint.filesystem()
+    key = f"{s3_url.removeprefix('s3://')}/blocks/{last.id}"
+    raw = bytearray(fs.cat_file(key))
+    raw[-5] ^= 0x40
+    fs.pipe_file(key, bytes(raw))
+    receiver = tmp_path / "receiver"
+    shutil.copytree(tmp_path / "big-c0", receiver)
+    before = files_of(receiver)
+
+    proc = run_dcr("apply", s3_url, "--version", "v1", "--into", str(receiver), env=s3_endpoint.env())
+    assert proc.returncode != 0 and "corrupt" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("dcr: error: ")
+    after = files_of(receiver)
+    assert {k: v for k, v in after.items() if k in before} == before  # not one byte of the checkpoint changed
+    assert not [k for k in after if k not in before and not k.endswith("lock")], sorted(after)  # no state either
+    assert read_bits(receiver) == read_bits(tmp_path / "big-c0")
+
+    fs.pipe_file(key, bytes(raw[:-5]) + bytes([raw[-5] ^ 0x40]) + bytes(raw[-4:]))  # repaired: now it applies
+    ok = run_dcr("apply", s3_url, "--version", "v1", "--into", str(receiver), env=s3_endpoint.env())
+    assert ok.returncode == 0, ok.stderr
+    assert read_bits(receiver) == read_bits(tmp_path / "big-c1")
+
+
+def test_a_live_producer_publishes_each_step_on_a_store(tmp_path: Path) -> None:
+    """dcr_cli.Producer with a store URL (the store producer is defined lazily, on first use)."""
+    import dcr_cli
+    from dcr_cli.store import Store, commit
+
+    test_live_tensors = pytest.importorskip("test_live_tensors")
+    states = test_live_tensors.adam_steps(2)
+    from checkpoints import write_checkpoint
+
+    receiver = write_checkpoint(tmp_path / "receiver", states[0])
+    url = (tmp_path / "store").as_uri()
+    producer = dcr_cli.Producer(url, baseline=states[0], base_version="step-0", staging=tmp_path / "staging")
+    for step in (1, 2):
+        summary = producer.diff(states[step], version=f"step-{step}")
+        assert summary is not None and summary.changed_elements > 0
+        assert Store(url).require_version(f"step-{step}").base.version == f"step-{step - 1}"
+        result = dcr_cli.apply(url, into=receiver, version=f"step-{step}", ack=url, receiver="r0")
+        assert result.version == f"step-{step}"
+        assert read_bits(receiver) == read_bits(write_checkpoint(tmp_path / f"hf-{step}", states[step]))
+        commit(url, f"step-{step}", receivers=["r0"])
+        producer.committed(f"step-{step}")
+
+
+def test_a_push_holds_blocks_within_its_byte_budget() -> None:
+    import threading
+
+    from dcr_cli.store.transfer import ByteBudget, parallel
+
+    budget = ByteBudget(250)
+    held: list[int] = []
+    lock = threading.Lock()
+    now = [0]
+
+    def task(n: int) -> None:
+        with budget.hold(n):
+            with lock:
+                now[0] += n
+                held.append(now[0])
+            time.sleep(0.02)
+            with lock:
+                now[0] -= n
+
+    parallel([lambda: task(100)] * 12 + [lambda: task(1000)] + [lambda: task(100)] * 4, workers=8)
+    assert max(h for h in held if h != 1000) <= 250  # two 100-byte blocks at once, never three
+    assert 200 in held and 1000 in held  # it did run in parallel; the oversized block ran alone
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_corrupt_block_streamed_to_a_store_is_never_published(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A local store gets blocks streamed to a temporary file: the digest fails only after the last chunk,
+    and then nothing may be left under the block's name (nor a temporary file)."""
+    from dcr_cli.store import Store, push
+
+    local = big_delta(tmp_path)
+    manifest = Delta.open(local).manifest
+    victim = manifest.blocks[-1]
+    path = Path(Delta.open(local).block_path(victim))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1  # the last byte: every chunk but the digest looks fine
+    path.write_bytes(bytes(raw))
+    if store == "local":
+        url, options = (tmp_path / "store").as_uri(), None
+    else:
+        endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+        url, options = request.getfixturevalue("s3_url"), endpoint.storage_options
+    with pytest.raises(IntegrityError, match="corrupt; nothing corrupt was published"):
+        push(local, url, storage_options=options)
+    s = Store(url, options)
+    assert s.stat(f"blocks/{victim.id}") is None
+    assert s.version("v1") is None
+    if store == "local":
+        assert not [p for p in (tmp_path / "store" / "blocks").iterdir() if p.name.startswith(".tmp-")]
