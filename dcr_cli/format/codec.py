@@ -22,7 +22,7 @@ import zstandard
 from ..errors import IntegrityError
 from .digest import digest_bytes
 from .dtypes import DType
-from .kernels import ESCAPE, byte_planes, escaped_gaps, scan_changes
+from .kernels import byte_planes, escaped_gaps, gaps_to_positions, merge_planes, scan_changes
 from .manifest import Op, Region
 
 # None selects dcr's tuned parameters; an int selects that standard zstd level.
@@ -61,10 +61,7 @@ def _to_planes(values: np.ndarray) -> np.ndarray:
 
 
 def _from_planes(raw: np.ndarray, uint: np.dtype) -> np.ndarray:
-    width = uint.itemsize
-    if width == 1:
-        return raw.view(uint)
-    return np.ascontiguousarray(raw.reshape(width, -1).T).reshape(-1).view(uint)
+    return merge_planes(raw, uint)
 
 
 def compress(data: np.ndarray, level: int | None) -> bytes:
@@ -135,12 +132,9 @@ def encode_positions(positions: np.ndarray, level: int | None = DEFAULT_LEVEL) -
 
 def decode_positions(frame: bytes | memoryview, count: int, region_size: int, what: str) -> np.ndarray:
     raw = decompress_bounded(frame, count, 5 * count, what + " positions")
-    gaps = raw[:count].astype(np.int64)
-    escaped = np.flatnonzero(gaps == ESCAPE)
-    if len(raw) != count + 4 * len(escaped):
-        raise IntegrityError(f"{what} positions: {len(escaped)} escapes need {count + 4 * len(escaped)} bytes")
-    gaps[escaped] += _from_planes(raw[count:], np.dtype("<u4")).astype(np.int64)
-    positions = np.cumsum(gaps + 1) - 1
+    positions, escapes = gaps_to_positions(raw, count)
+    if len(raw) != count + 4 * escapes:
+        raise IntegrityError(f"{what} positions: {escapes} escapes need {count + 4 * escapes} bytes")
     if count and positions[-1] >= region_size:
         raise IntegrityError(f"{what}: a position lies outside its region of {region_size} elements")
     return positions

@@ -181,3 +181,65 @@ def byte_planes(values: np.ndarray) -> np.ndarray:
     out = np.empty(flat.nbytes, dtype=np.uint8)
     _split_planes(flat.astype(flat.dtype.newbyteorder("="), copy=False), flat.dtype.itemsize, out)
     return out
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _merge_planes(raw, width, out):
+    # The inverse of _split_planes: out[i] = sum of plane j's byte i << 8j (a loop LLVM vectorizes).
+    n = out.shape[0]
+    for i in range(n):
+        out[i] = raw[i]
+    for j in range(1, width):
+        shift = 8 * j
+        plane = raw[j * n : (j + 1) * n]
+        for i in range(n):
+            out[i] |= np.uint64(plane[i]) << np.uint64(shift)
+
+
+def merge_planes(raw: np.ndarray, uint: np.dtype) -> np.ndarray:
+    """Byte planes (least significant first, as ``byte_planes`` writes them) back to unsigned values."""
+    width = uint.itemsize
+    if width == 1:
+        return raw.view(uint)
+    out = np.empty(len(raw) // width, dtype=uint.newbyteorder("="))
+    if len(out):
+        _merge_planes(raw, width, out)
+    return out.view(uint)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _gaps_to_positions(raw, count, out):
+    # Escaped gaps (format_spec/delta-v1.md §6.1) to positions, in one pass after counting the
+    # escapes; nothing is decoded when the escapes' bytes do not add up (the caller then refuses).
+    escapes = 0
+    for t in range(count):
+        if raw[t] == ESCAPE:
+            escapes += 1
+    if raw.shape[0] != count + 4 * escapes:
+        return escapes
+    last = np.int64(-1)
+    e = 0
+    for t in range(count):
+        gap = np.int64(raw[t])
+        if gap == ESCAPE:
+            base = count + e
+            gap += (
+                np.int64(raw[base])
+                | (np.int64(raw[base + escapes]) << 8)
+                | (np.int64(raw[base + 2 * escapes]) << 16)
+                | (np.int64(raw[base + 3 * escapes]) << 24)
+            )
+            e += 1
+        last += gap + 1
+        out[t] = last
+    return escapes
+
+
+def gaps_to_positions(raw: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """Positions from the escaped gaps ``raw`` of ``count`` of them, and the escape count.
+
+    The positions are valid only when ``len(raw) == count + 4 * escapes`` (check that first).
+    """
+    out = np.empty(count, dtype=np.int64)
+    escapes = _gaps_to_positions(raw, count, out) if count else 0
+    return out, int(escapes)
