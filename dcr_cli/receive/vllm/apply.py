@@ -37,7 +37,7 @@ from ...format.dtypes import from_torch, numpy_int
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
-from .layout import check_resident_layout
+from .layout import check_resident_layout, mla_derived_params
 from .placement import (
     TORCH_DTYPES,
     Destination,
@@ -497,6 +497,15 @@ class EngineReceiver:
             if entry.dtype not in TORCH_DTYPES:
                 raise FormatError(f"{name}: unsupported dtype {entry.dtype}")
         self.trace_all(m.tensors)  # rejects what cannot be applied exactly, before any write
+        derived = mla_derived_params(self.model)
+        if derived:
+            for name in sorted(receiver_plan.touched(m)):
+                hit = [d.param for d in self._placements[name].destinations if d.param in derived]
+                if hit:
+                    raise IncompatibleError(
+                        f"{name} (resident as {hit[0]}): {derived[hit[0]]}; dcr cannot refit MLA's kv_b_proj in "
+                        "place, refit this engine densely (a full reload); nothing was written"
+                    )
         if not self._skip_blocks:
             delta.verify_blocks()
 

@@ -374,7 +374,9 @@ def check_layout_kept(model: torch.nn.Module) -> None:
                 "dcr applies exactly only to unquantized engines"
             )
         linear = getattr(module, "cpu_linear", None)
-        if linear is not None and not getattr(linear, "dcr_plain", False):
+        # vLLM's own plain fallback (MLA's kv_b_proj) computes on the parameter as loaded, as dcr's does.
+        plain = getattr(linear, "dcr_plain", False) or linear is torch.nn.functional.linear
+        if linear is not None and not plain:
             raise IncompatibleError(
                 f"{module_name}: the CPU backend repacked its weight for oneDNN/SGL, so the resident "
                 "parameter is not what the engine computes with; install the dcr plugin (it keeps "
