@@ -159,7 +159,10 @@ def main() -> None:
     dense = statistics.median(dense_times)
     figures.update(dense=dense, dense_all=dense_times, verify=verify_s)
 
+    import dcr_cli
+
     print(f"model: {args.size}, checkpoint {checkpoint_bytes / 2**20:.1f} MiB, cores {len(os.sched_getaffinity(0))}")
+    print(f"dcr_cli from {Path(dcr_cli.__file__).parent} (the engine runs in this process)")
     print(
         f"vLLM dense reload (load_weights, median of {args.repeat}):      {dense * 1e3:8.1f} ms   1.00x"
         f"   (all: {', '.join(f'{t * 1e3:.0f}' for t in dense_times)} ms)"

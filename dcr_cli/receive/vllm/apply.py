@@ -295,7 +295,9 @@ class EngineReceiver:
                 # Canonical indices of an item increase (positions do, and a box keeps C order), so a
                 # contiguous copy holds one slice of them: two binary searches, one add.
                 lo, hi = (int(i) for i in np.searchsorted(canonical, [dest.src_offset, dest.src_offset + dest.numel]))
-                hit, index = slice(lo, hi), canonical[lo:hi] + (dest.dst_offset - dest.src_offset)
+                shift = dest.dst_offset - dest.src_offset
+                # (a shift of 0, a tensor alone in its parameter, needs no copy: the indices are a view)
+                hit, index = slice(lo, hi), (canonical[lo:hi] + shift if shift else canonical[lo:hi])
             else:
                 hit, index = dest.locate(canonical)
             if index.size:
@@ -741,7 +743,7 @@ class EngineReceiver:
         """The item decoded (section digest, frames) and located on this rank."""
         decoded = delta.decode(item)
         positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
-        located = self.locate(placement, item.region.to_canonical(positions, placement.shape))
+        located = self.locate(placement, _to_canonical_index(item, positions, placement.shape))
         return Prepared(DecodedItem(None, decoded.values), located, len(positions))
 
     def _read(self, placement: Placement, prepared: Prepared) -> Prepared:
@@ -814,6 +816,15 @@ def _grouped(delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:
     for k, item in enumerate(delta.manifest.items):
         groups.setdefault(item.tensor, []).append((k, item))
     return list(groups.items())
+
+
+def _to_canonical_index(item: Item, positions: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``item.region.to_canonical``, without a copy where the region is the whole tensor from its start."""
+    region = item.region
+    whole_box = region.is_box and list(region.offsets or ()) == [0] * len(shape) and tuple(region.sizes or ()) == shape
+    if (whole_box or (not region.is_box and region.start == 0)) and positions.dtype == np.int64:
+        return positions
+    return region.to_canonical(positions, shape)
 
 
 def _np_int(dtype: torch.dtype) -> np.dtype:
