@@ -48,14 +48,10 @@ def _expert_split(worker: Any) -> list[int]:
 def _install_crash(worker: Any, at_item: int) -> None:
     """At item ``at_item``, write half of the item's elements on this rank, then fail (on every rank).
 
-    Every rank's update fails (and vLLM closes its update session there), but only the last rank
-    lets the failure out of ``update_weights``. vLLM 0.32's multiprocess executor raises on the
-    first failed reply it reads (rank 0's) and leaves the other ranks' replies queued, so every
-    later RPC would read a stale reply; a failure that surfaces from the last rank only keeps the
-    channel in step (see the MoE section of format_spec/receiver-vllm.md).
+    The dcr backend records each rank's failure and returns normally (vLLM 0.32's multiprocess
+    executor would otherwise leave the other ranks' replies queued after the first failed one);
+    the client reads the recorded errors and closes the update session.
     """
-    import torch
-
     from dcr_cli.receive.vllm import apply as engine_apply
 
     receiver_cls = engine_apply.EngineReceiver
@@ -83,25 +79,12 @@ def _install_crash(worker: Any, at_item: int) -> None:
     receiver_cls._dcr_real_apply_item = real_item
     receiver_cls.apply_item = apply_item
 
-    last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    real_update = worker.update_weights
-
-    def update_weights(update_info: Any) -> None:
-        try:
-            real_update(update_info)
-        except RuntimeError:
-            if last_rank:
-                raise
-
-    worker.update_weights = update_weights
-
 
 def _remove_crash(worker: Any) -> None:
     from dcr_cli.receive.vllm import apply as engine_apply
 
     receiver_cls = engine_apply.EngineReceiver
     receiver_cls.apply_item = receiver_cls.__dict__["_dcr_real_apply_item"]
-    del worker.update_weights
 
 
 def main() -> None:

@@ -111,8 +111,11 @@ def test_staged_pass_is_dropped_or_partial_and_the_result_is_exact(
     engine = InProcessEngine(llm)
     assert {a["mode"] for a in engine.rpc("prepare", delta=str(root / "d2"))} == {"apply"}
     engine.start()
-    with pytest.raises(Exception, match="needs base"):
-        engine.update(str(root / "d3"))
+    engine.update(str(root / "d3"))  # refused; the dcr backend records it on every rank, never raises
+    (status,) = engine.rpc("status")
+    assert "needs base" in (status["last_error"] or "") and status["last_error_kind"] == "IncompatibleError"
+    assert status["state"]["applying"] is None
+    engine.finish(None)  # closes the update session (no version stamped), as the client does
     for i in range(2, len(qwen3)):
         apply_to_engine(InProcessEngine(llm), root / f"d{i}")
     fresh = start_llm(qwen3[-1])

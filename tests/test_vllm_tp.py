@@ -35,12 +35,16 @@ def qwen3(tmp_path_factory):
     return paths
 
 
-def test_tensor_parallel_2_round_trip_is_exact(qwen3):
+@pytest.fixture(scope="module")
+def qwen3_tp_report(qwen3):
+    """The probe's report: one TP=2 engine for both tests (an engine start is the slow part)."""
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank; the default binding wants 2 NUMA nodes
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc ships the probe's crash hook to the workers
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     # A session of its own, so that a hung engine is stopped with all of its processes.
@@ -53,16 +57,36 @@ def test_tensor_parallel_2_round_trip_is_exact(qwen3):
         start_new_session=True,
     )
     try:
-        stdout, stderr = proc.communicate(timeout=400)
+        stdout, stderr = proc.communicate(timeout=500)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-    proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("DCR-TP-REPORT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    report = json.loads(lines[0].removeprefix("DCR-TP-REPORT "))
+    lines = [line for line in stdout.splitlines() if line.startswith("DCR-TP-REPORT ")]
+    assert proc.returncode == 0 and lines, stdout[-2000:] + stderr[-4000:]
+    return json.loads(lines[0].removeprefix("DCR-TP-REPORT "))
+
+
+def test_tensor_parallel_2_round_trip_is_exact(qwen3_tp_report):
+    report = qwen3_tp_report
     assert report["ranks"] == 2
     assert report["checksums_equal"], "vLLM's per-rank weight checksums differ from the fresh target engine"
     assert report["tokens_equal"] and report["base_tokens_differ"]
     assert [r["status"] for r in report["reports"]] == ["applied"] * 4
     assert report["version"] == "step-3"
+
+
+def test_tensor_parallel_2_failure_on_one_rank_then_retry_is_exact(qwen3_tp_report):
+    # Rank 0 fails in the middle of a write, rank 1 has no failure of its own. Every rank records
+    # its error and returns normally, so no reply is left queued in vLLM's channels: the status
+    # read right after, the retry and the chain after it all read fresh replies.
+    report = qwen3_tp_report
+    assert "re-run the same command" in report["crash"] and "transfer killed" in report["crash"]
+    assert [s["ok"] for s in report["crash_statuses"]] == [True, True]
+    assert all(s["last_error"] and "transfer killed" in s["last_error"] for s in report["crash_statuses"])
+    assert all(s["applying"] for s in report["crash_statuses"])  # left paused, part written, on both ranks
+    retry = report["retry"]
+    assert retry["status"] == "resumed" and retry["repaired"] >= 1 and retry["done"] >= 1
+    assert report["retry_tokens_base"]
+    assert [r["status"] for r in report["again"]] == ["applied"] * 3
+    assert report["again_checksums_equal"], "after the failure and retry the checksums differ from a fresh engine"
+    assert report["again_tokens_equal"] and report["again_version"] == "step-3"

@@ -23,7 +23,7 @@ import zstandard
 from ..errors import IntegrityError
 from .digest import digest_bytes
 from .dtypes import DType
-from .kernels import byte_planes, escaped_gaps, positions_from_gaps, scan_changes
+from .kernels import byte_planes, escaped_gaps, merge_planes, positions_from_gaps, scan_changes
 from .manifest import Op, Region
 
 # None selects dcr's tuned parameters; an int selects that standard zstd level.
@@ -85,10 +85,7 @@ def _to_planes(values: np.ndarray) -> np.ndarray:
 
 
 def _from_planes(raw: np.ndarray, uint: np.dtype) -> np.ndarray:
-    width = uint.itemsize
-    if width == 1:
-        return raw.view(uint)
-    return np.ascontiguousarray(raw.reshape(width, -1).T).reshape(-1).view(uint)
+    return merge_planes(raw, uint)
 
 
 def compress(data: np.ndarray, level: int | None) -> bytes:

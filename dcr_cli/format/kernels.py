@@ -221,3 +221,27 @@ def byte_planes(values: np.ndarray) -> np.ndarray:
     out = np.empty(flat.nbytes, dtype=np.uint8)
     _split_planes(flat.astype(flat.dtype.newbyteorder("="), copy=False), flat.dtype.itemsize, out)
     return out
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _merge_planes(raw, width, out):
+    # The inverse of _split_planes: out[i] = sum of plane j's byte i << 8j (a loop LLVM vectorizes).
+    n = out.shape[0]
+    for i in range(n):
+        out[i] = raw[i]
+    for j in range(1, width):
+        shift = 8 * j
+        plane = raw[j * n : (j + 1) * n]
+        for i in range(n):
+            out[i] |= np.uint64(plane[i]) << np.uint64(shift)
+
+
+def merge_planes(raw: np.ndarray, uint: np.dtype) -> np.ndarray:
+    """Byte planes (least significant first, as ``byte_planes`` writes them) back to unsigned values."""
+    width = uint.itemsize
+    if width == 1:
+        return raw.view(uint)
+    out = np.empty(len(raw) // width, dtype=uint.newbyteorder("="))
+    if len(out):
+        _merge_planes(raw, width, out)
+    return out.view(uint)

@@ -23,11 +23,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from ... import errors
 from ...delta.reader import Delta
 from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.codec import DecodedItem
@@ -36,7 +37,7 @@ from ...format.dtypes import from_torch, numpy_int
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
-from .layout import check_resident_layout
+from .layout import check_resident_layout, mla_derived_params
 from .placement import (
     TORCH_DTYPES,
     Destination,
@@ -46,14 +47,54 @@ from .placement import (
     int_dtype,
     named_resident,
     trace_placement,
+    trace_placements,
 )
 
 # All-gather of a picklable object across the engine's ranks (identity on one rank).
 Exchange = Callable[[Any], list[Any]]
 
+T = TypeVar("T")
+
 
 def single_rank(obj: Any) -> list[Any]:
     return [obj]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a failing rank sends in place of its next exchange, so that every rank fails with it.
+
+    Ranks exchange in lockstep (the same items, in the same order). A rank that fails sends this
+    once, from ``EngineReceiver.agree``, and stops; every other rank receives it in whatever
+    exchange it is in (an item's pieces, a tensor's read-back, the agreement at the end of a
+    phase) and stops too. So each rank makes the same number of collective calls and none is left
+    waiting in one, whichever rank fails where.
+    """
+
+    rank: int
+    message: str
+    kind: str  # a DcrError subclass name
+
+    def error(self) -> DcrError:
+        cls = getattr(errors, self.kind, None)
+        if not (isinstance(cls, type) and issubclass(cls, DcrError)):
+            cls = DcrError
+        return cls(self.message)
+
+
+class PeerFailed(DcrError):
+    """Another rank failed (it sent a :class:`RankFailure`); this rank stops without exchanging again."""
+
+    def __init__(self, failure: RankFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def _failure_of(exc: BaseException, rank: int) -> RankFailure:
+    if isinstance(exc, DcrError):
+        text = str(exc).strip().splitlines()
+        return RankFailure(rank, text[0] if text else type(exc).__name__, type(exc).__name__)
+    return RankFailure(rank, f"rank {rank}: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}", "DcrError")
 
 
 @dataclass
@@ -185,9 +226,10 @@ def _write_elements(flat: np.ndarray | torch.Tensor, index: np.ndarray | torch.T
 class EngineReceiver:
     """dcr's view of one worker's model: placements, the recorded version, apply and read-back."""
 
-    def __init__(self, model: torch.nn.Module, exchange: Exchange = single_rank) -> None:
+    def __init__(self, model: torch.nn.Module, exchange: Exchange = single_rank, rank: int = 0) -> None:
         self.model = model
-        self.exchange = exchange
+        self._exchange = exchange
+        self.rank = rank
         self.single = exchange is single_rank  # one rank: canonical tensors can be read where they live
         self.state = EngineState()
         self._placements: dict[str, Placement] = {}
@@ -200,6 +242,14 @@ class EngineReceiver:
         self._fingerprint_seconds = 0.0
         self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
 
+    def exchange(self, obj: Any) -> list[Any]:
+        """All-gather ``obj``; raises PeerFailed where another rank sent its failure instead."""
+        got = self._exchange(obj)
+        failed = [g for g in got if isinstance(g, RankFailure)]
+        if failed and not isinstance(obj, RankFailure):
+            raise PeerFailed(failed[0])
+        return got
+
     def resident(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers by name; collected once per operation (walking modules is slow)."""
         if self._resident is None:
@@ -211,18 +261,29 @@ class EngineReceiver:
 
     # ------------------------------------------------------------------ placement
 
-    def placement(self, name: str, entry: TensorEntry) -> Placement:
-        dtype = TORCH_DTYPES[entry.dtype]
+    def _cached(self, name: str, entry: TensorEntry) -> Placement | None:
         cached = self._placements.get(name)
-        if cached is not None and cached.shape == entry.shape and cached.dtype == dtype:
+        if cached is not None and cached.shape == entry.shape and cached.dtype == TORCH_DTYPES[entry.dtype]:
             resident = self.resident()
             if all(
                 p in resident and resident[p].untyped_storage().data_ptr() == ptr for p, ptr in cached.storages.items()
             ):
                 return cached
-        placement = trace_placement(self.model, name, entry.shape, dtype)
+        return None
+
+    def placement(self, name: str, entry: TensorEntry) -> Placement:
+        cached = self._cached(name, entry)
+        if cached is not None:
+            return cached
+        placement = trace_placement(self.model, name, entry.shape, TORCH_DTYPES[entry.dtype])
         self._placements[name] = placement
         return placement
+
+    def trace_all(self, table: dict[str, TensorEntry]) -> None:
+        """Placements of every tensor of ``table`` not known yet: batches of them per loader call."""
+        missing = {n: (e.shape, TORCH_DTYPES[e.dtype]) for n, e in table.items() if self._cached(n, e) is None}
+        if missing:
+            self._placements.update(trace_placements(self.model, missing))
 
     def locate(self, placement: Placement, canonical: np.ndarray) -> list[Located]:
         """Where this rank holds ``canonical`` positions: per destination, the positions hit and storage indices."""
@@ -234,7 +295,9 @@ class EngineReceiver:
                 # Canonical indices of an item increase (positions do, and a box keeps C order), so a
                 # contiguous copy holds one slice of them: two binary searches, one add.
                 lo, hi = (int(i) for i in np.searchsorted(canonical, [dest.src_offset, dest.src_offset + dest.numel]))
-                hit, index = slice(lo, hi), canonical[lo:hi] + (dest.dst_offset - dest.src_offset)
+                shift = dest.dst_offset - dest.src_offset
+                # (a shift of 0, a tensor alone in its parameter, needs no copy: the indices are a view)
+                hit, index = slice(lo, hi), (canonical[lo:hi] + shift if shift else canonical[lo:hi])
             else:
                 hit, index = dest.locate(canonical)
             if index.size:
@@ -336,6 +399,7 @@ class EngineReceiver:
         Placements are resolved first (tracing runs the loader: one thread); BLAKE3 releases the GIL.
         """
         chosen = sorted(table) if names is None else names
+        self.trace_all({n: table[n] for n in chosen})
         sizes = {n: self.placement(n, table[n]).numel * TORCH_DTYPES[table[n].dtype].itemsize for n in chosen}
         if not self.single:  # the read-back exchanges pieces: every rank in the same order, one at a time
             return {n: self.tensor_digest(n, table[n]) for n in chosen}
@@ -434,20 +498,38 @@ class EngineReceiver:
         for name, entry in m.tensors.items():
             if entry.dtype not in TORCH_DTYPES:
                 raise FormatError(f"{name}: unsupported dtype {entry.dtype}")
-            self.placement(name, entry)  # rejects what cannot be applied exactly, before any write
+        self.trace_all(m.tensors)  # rejects what cannot be applied exactly, before any write
+        derived = mla_derived_params(self.model)
+        if derived:
+            for name in sorted(receiver_plan.touched(m)):
+                hit = [d.param for d in self._placements[name].destinations if d.param in derived]
+                if hit:
+                    raise IncompatibleError(
+                        f"{name} (resident as {hit[0]}): {derived[hit[0]]}; dcr cannot refit MLA's kv_b_proj in "
+                        "place, refit this engine densely (a full reload); nothing was written"
+                    )
         if not self._skip_blocks:
             delta.verify_blocks()
 
-    def agree(self, local_check: Callable[[], None]) -> None:
-        """Run a check on every rank and fail on all of them if it fails on one (no rank is left waiting)."""
-        error: DcrError | None = None
+    def agree(self, phase: Callable[[], T]) -> T:
+        """Run a phase on every rank and fail on all of them if it fails on one (no rank is left waiting).
+
+        A rank that fails sends its failure once (:class:`RankFailure`) and raises its own error;
+        a rank that receives one, here or in an exchange inside the phase, raises that error.
+        """
+        if self.single:
+            return phase()
         try:
-            local_check()
-        except DcrError as exc:
-            error = exc
-        failures = [e for e in self.exchange(error) if e is not None]
-        if failures:
-            raise failures[0]
+            result = phase()
+        except PeerFailed as exc:
+            raise exc.failure.error() from None  # the failure was exchanged already
+        except Exception as exc:
+            self._exchange(_failure_of(exc, self.rank))
+            raise
+        failed = [g for g in self._exchange(None) if isinstance(g, RankFailure)]
+        if failed:
+            raise failed[0].error()
+        return result
 
     def _reached(self, version: str, fp: str, table: dict[str, TensorEntry]) -> None:
         self.state.version, self.state.fingerprint, self.state.applying = version, fp, None
@@ -533,24 +615,23 @@ class EngineReceiver:
             }
             report = ApplyReport("resumed" if resuming else "applied", m.target.version, m.target.fingerprint)
             report.staged = staged_items
+            # The proof: what was touched (everything, where the base table is unknown) reads back
+            # as the target table. Until it does, the engine stays "applying" and no version is
+            # recorded. On one rank each tensor is digested right after its writes, on all cores.
+            names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
             t = time.perf_counter()
-            for name, items in _grouped(delta):
-                placement = self.placement(name, m.tensors[name])
-                for k, item in items:
-                    kind, written = self.apply_item(delta, item, placement, resuming, prepared.pop(k, None))
-                    setattr(report, kind, getattr(report, kind) + 1)
-                    report.items += 1
-                    report.written_elements += written
-            phases["writes"] = time.perf_counter() - t
+            if self.single:
+                digests = self._write_and_prove(delta, resuming, prepared, names, report, phases)
+                report.proof_seconds = phases["proof_cpu"]
+            else:
+                self.agree(lambda: self._write_in_order(delta, resuming, prepared, report))
+                phases["writes"] = time.perf_counter() - t
+                t = time.perf_counter()
+                digests = self.agree(lambda: self.digests(m.tensors, names))
+                report.proof_seconds = phases["proof"] = time.perf_counter() - t
         finally:
             self._prepared.clear()
             self._prepared_bytes = 0
-        # The proof: what was touched (everything, where the base table is unknown) reads back as
-        # the target table. Until it does, the engine stays "applying" and no version is recorded.
-        t = time.perf_counter()
-        names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
-        digests = self.digests(m.tensors, names)
-        report.proof_seconds = phases["proof"] = time.perf_counter() - t
         bad = receiver_plan.unproven(m, digests)
         if bad:
             raise receiver_plan.proof_failure(m, bad, "vLLM engine")
@@ -558,6 +639,73 @@ class EngineReceiver:
         report.phases = phases
         report.seconds = time.perf_counter() - started
         return report
+
+    def _count(self, report: ApplyReport, kind: str, written: int) -> None:
+        setattr(report, kind, getattr(report, kind) + 1)
+        report.items += 1
+        report.written_elements += written
+
+    def _write_in_order(self, delta: Delta, resuming: bool, prepared: dict[int, Prepared], report: ApplyReport) -> None:
+        """Every item, tensor by tensor, in manifest order (several ranks: they exchange per item in step)."""
+        m = delta.manifest
+        for name, items in _grouped(delta):
+            placement = self.placement(name, m.tensors[name])
+            for k, item in items:
+                self._count(report, *self.apply_item(delta, item, placement, resuming, prepared.pop(k, None)))
+
+    def _write_and_prove(
+        self,
+        delta: Delta,
+        resuming: bool,
+        prepared: dict[int, Prepared],
+        names: list[str],
+        report: ApplyReport,
+        phases: dict[str, float],
+    ) -> dict[str, str]:
+        """One rank: write the items and digest the tensors ``names``, on all cores, each tensor
+        digested right after its own writes (while its lines are still in cache).
+
+        Tensors whose destinations share a parameter (q/k/v in ``qkv_proj``, gate/up, tied
+        weights) form one task, so no tensor is digested while another task writes into its
+        storage. Largest tasks first. Returns the digests.
+        """
+        m = delta.manifest
+        by_tensor = dict(_grouped(delta))
+        placements = {n: self.placement(n, m.tensors[n]) for n in {*names, *by_tensor}}  # traced here, not in threads
+        self.resident()
+        groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
+        nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
+        proven = set(names)
+
+        def task(group: list[str]) -> Callable[[], tuple[list[tuple[str, int]], dict[str, str], float, float]]:
+            def run() -> tuple[list[tuple[str, int]], dict[str, str], float, float]:
+                counts: list[tuple[str, int]] = []
+                digests: dict[str, str] = {}
+                writing = hashing = 0.0
+                for name in group:
+                    t = time.perf_counter()
+                    for k, item in by_tensor.get(name, ()):
+                        counts.append(self.apply_item(delta, item, placements[name], resuming, prepared.pop(k, None)))
+                    t2 = time.perf_counter()
+                    if name in proven:
+                        digests[name] = self.tensor_digest(name, m.tensors[name])
+                    writing, hashing = writing + t2 - t, hashing + time.perf_counter() - t2
+                return counts, digests, writing, hashing
+
+            return run
+
+        ordered = sorted(groups, key=lambda g: -sum(nbytes[n] for n in g))
+        digests: dict[str, str] = {}
+        phases["writes_cpu"] = phases["proof_cpu"] = 0.0
+        started = time.perf_counter()
+        for counts, got, writing, hashing in ordered_parallel((task(g) for g in ordered), default_workers()):
+            for kind, written in counts:
+                self._count(report, kind, written)
+            digests.update(got)
+            phases["writes_cpu"] += writing
+            phases["proof_cpu"] += hashing
+        phases["writes_and_proof"] = time.perf_counter() - started
+        return digests
 
     def _first_pass(self, delta: Delta, resuming: bool, skip: dict[int, Prepared] | None = None) -> None:
         """Before any write: every item decodes (section digests, frames) and classifies.
@@ -595,7 +743,7 @@ class EngineReceiver:
         """The item decoded (section digest, frames) and located on this rank."""
         decoded = delta.decode(item)
         positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
-        located = self.locate(placement, item.region.to_canonical(positions, placement.shape))
+        located = self.locate(placement, _to_canonical_index(item, positions, placement.shape))
         return Prepared(DecodedItem(None, decoded.values), located, len(positions))
 
     def _read(self, placement: Placement, prepared: Prepared) -> Prepared:
@@ -643,12 +791,40 @@ class EngineReceiver:
         return {"tensors": len(table), "mismatched": mismatched, "fingerprint": fingerprint(table)}
 
 
+def _storage_groups(params: dict[str, list[str]]) -> list[list[str]]:
+    """Tensors (name -> the parameters its destinations write) grouped by shared parameters (union-find)."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for name, ps in params.items():
+        for p in ps:
+            parent[root("p:" + p)] = root("t:" + name)
+    groups: dict[str, list[str]] = {}
+    for name in sorted(params):
+        groups.setdefault(root("t:" + name), []).append(name)
+    return list(groups.values())
+
+
 def _grouped(delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:
     """The delta's items by tensor, each with its index in the manifest (the key of a staged item)."""
     groups: dict[str, list[tuple[int, Item]]] = {}
     for k, item in enumerate(delta.manifest.items):
         groups.setdefault(item.tensor, []).append((k, item))
     return list(groups.items())
+
+
+def _to_canonical_index(item: Item, positions: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``item.region.to_canonical``, without a copy where the region is the whole tensor from its start."""
+    region = item.region
+    whole_box = region.is_box and list(region.offsets or ()) == [0] * len(shape) and tuple(region.sizes or ()) == shape
+    if (whole_box or (not region.is_box and region.start == 0)) and positions.dtype == np.int64:
+        return positions
+    return region.to_canonical(positions, shape)
 
 
 def _np_int(dtype: torch.dtype) -> np.dtype:

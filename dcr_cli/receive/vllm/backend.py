@@ -13,6 +13,14 @@ and fingerprinting them at the first apply, which also proves that the placement
 ``dcr_rpc`` (attached to vLLM's worker wrapper by the plugin) answers dcr's questions that need
 a reply (check, prepare, status, verify) through ``collective_rpc`` / ``POST /collective_rpc``. It never
 raises: errors come back as ``{"ok": false, "error": ...}`` so an HTTP client sees the message.
+
+``update_weights`` never raises either (an ``Exception``; not a ``KeyboardInterrupt``): every rank
+records its failure as ``last_error`` (one line) and ``last_error_kind`` and returns normally, and
+the client reads them with ``dcr_rpc`` op ``status`` from all ranks. vLLM 0.32's multiprocess
+executor raises on the first failed reply of a ``collective_rpc`` and leaves the other ranks'
+replies queued, so a raising rank would make every later RPC of the engine read a stale reply.
+The update session stays open after a recorded failure; the client closes it with
+``finish_weight_update`` (without a version).
 """
 
 from __future__ import annotations
@@ -64,6 +72,12 @@ def engine_exchange() -> Exchange:
     return exchange
 
 
+def engine_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    return int(parallel_state.get_world_group().rank_in_group)
+
+
 class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
     init_info_cls = DcrInitInfo
     update_info_cls = DcrUpdateInfo
@@ -72,33 +86,37 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
 
     def __init__(self, config, vllm_config, device, model) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, vllm_config, device, model)
-        self.receiver = EngineReceiver(model, engine_exchange())
+        self.receiver = EngineReceiver(model, engine_exchange(), engine_rank())
         self.last_report: dict[str, Any] | None = None
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # of the last update on this rank (None: it succeeded)
+        self.last_error_kind: str | None = None  # the DcrError subclass name, for the client's exit code
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
         pass  # nothing to connect: deltas are read from where update_info points
 
     def start_weight_update(self) -> None:
-        self.last_error = None
+        self.last_error = self.last_error_kind = None
 
     def finish_weight_update(self) -> None:
         pass
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
-        self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():
-            torch.accelerator.synchronize()
+        """Apply the delta; a failure is recorded (``last_error``), never raised (see the module doc)."""
+        self.last_error = self.last_error_kind = None
+        self.last_report = None
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+            # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()
+        except Exception as exc:
+            self.last_error = _one_line(exc)
+            self.last_error_kind = type(exc).__name__ if isinstance(exc, DcrError) else "DcrError"
 
     def receive_weights(self, update_info: DcrUpdateInfo) -> None:
         if not update_info.delta:
             raise DcrError('update_info needs {"delta": LOCATION} (a dcr delta directory or URL)')
-        try:
-            self.last_report = self.receiver.apply(Delta.open(update_info.delta)).to_json()
-        except Exception as exc:
-            self.last_error = _one_line(exc)
-            raise
+        self.last_report = self.receiver.apply(Delta.open(update_info.delta)).to_json()
 
     def shutdown(self) -> None:
         pass
@@ -127,6 +145,7 @@ def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
                 "state": receiver.state.to_json(),
                 "last_report": engine.last_report,
                 "last_error": engine.last_error,
+                "last_error_kind": engine.last_error_kind,
             }
         if op == "check":
             return {"ok": True, "mode": receiver.check(Delta.open(args["delta"])), "state": receiver.state.to_json()}

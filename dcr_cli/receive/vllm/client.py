@@ -25,7 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ... import errors
 from ...delta.reader import Delta
@@ -69,7 +69,8 @@ class Engine:
     def update(self, location: str) -> None:
         raise NotImplementedError
 
-    def finish(self, version: str) -> None:
+    def finish(self, version: str | None) -> None:
+        """Close the update session; stamp ``version`` on outputs (None: a failed update, no stamp)."""
         raise NotImplementedError
 
     def reset_prefix_cache(self) -> None:
@@ -128,7 +129,7 @@ class ServerEngine(Engine):
     def update(self, location: str) -> None:
         self.call("/update_weights", {"update_info": {"delta": location}})
 
-    def finish(self, version: str) -> None:
+    def finish(self, version: str | None) -> None:
         self.call("/finish_weight_update", {"weight_version": version})
 
     def reset_prefix_cache(self) -> None:
@@ -157,7 +158,7 @@ class InProcessEngine(Engine):
     def update(self, location: str) -> None:
         self.llm.update_weights({"update_info": {"delta": location}})
 
-    def finish(self, version: str) -> None:
+    def finish(self, version: str | None) -> None:
         self.llm.finish_weight_update(weight_version=version)
 
     def reset_prefix_cache(self) -> None:
@@ -189,22 +190,20 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     engine.start()
     try:
         engine.update(location)
-    except Exception as exc:
-        status = _status(engine)
-        error = (status or {}).get("last_error") or str(exc)
-        if status is not None and status["state"].get("applying") is None:
-            engine.resume()  # refused before any write: the engine still serves its old version
-            raise IncompatibleError(f"vLLM engine: {error}") from None
-        # Left paused: the weights are part old, part new. The retry classifies every item again.
-        raise DcrError(
-            f"the apply failed on the engine ({error}); it is left paused with part of the delta applied: "
-            "re-run the same command to finish it exactly (torn items are overwritten)"
-        ) from None
+    except Exception as exc:  # an engine whose update raised (not dcr's backend, which records errors)
+        statuses = _statuses(engine)
+        _failed(engine, statuses, next((e for e in _errors(statuses or [])), (str(exc), "DcrError")), closed=True)
+    # Every rank recorded its outcome and returned normally (nothing is left queued in vLLM's
+    # channels): ask all of them, and fail if any one failed.
+    statuses = engine.rpc("status")
+    errors = _errors(statuses)
+    if errors:
+        _failed(engine, statuses, errors[0], closed=False)
     engine.finish(target)
     engine.reset_prefix_cache()
     engine.resume()
     pause_seconds = time.perf_counter() - paused
-    report = dict(engine.rpc("status")[0].get("last_report") or {})
+    report = dict(statuses[0].get("last_report") or {})
     report.update(prepare_seconds=prepare_seconds, pause_seconds=pause_seconds)
     if log:
         log(
@@ -216,11 +215,39 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     return report
 
 
-def _status(engine: Engine) -> dict[str, Any] | None:
+def _statuses(engine: Engine) -> list[dict[str, Any]] | None:
     try:
-        return engine.rpc("status")[0]
+        return engine.rpc("status")
     except DcrError:
         return None
+
+
+def _errors(statuses: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(message, error kind) recorded by each rank whose last update failed, in rank order."""
+    failed = [s for s in statuses if s.get("last_error")]
+    return [(str(s["last_error"]), str(s.get("last_error_kind") or "DcrError")) for s in failed]
+
+
+def _failed(engine: Engine, statuses: list[dict[str, Any]] | None, error: tuple[str, str], *, closed: bool) -> NoReturn:
+    """Raise for a failed update: resume the engine if no rank wrote anything, else leave it paused.
+
+    ``closed``: vLLM closed the update session already (the update raised); otherwise it is closed
+    here, without a version, so that the retry can start a new one.
+    """
+    message, kind = error
+    if not closed:
+        engine.finish(None)
+    if statuses is not None and all(s["state"].get("applying") is None for s in statuses):
+        engine.resume()  # refused before any write: the engine still serves its old version
+        cls = getattr(errors, kind, None)
+        if not (isinstance(cls, type) and issubclass(cls, DcrError)) or cls is DcrError:
+            cls = IncompatibleError
+        raise cls(f"vLLM engine: {message}")
+    # Left paused: the weights are part old, part new. The retry classifies every item again.
+    raise DcrError(
+        f"the apply failed on the engine ({message}); it is left paused with part of the delta applied: "
+        "re-run the same command to finish it exactly (torn items are overwritten)"
+    )
 
 
 def verify_engine(engine: Engine, delta: str | os.PathLike[str] | Delta | None = None) -> dict[str, Any]:

@@ -279,3 +279,37 @@ def check_resident_layout(model: torch.nn.Module) -> None:
             "cannot be applied to it in place; nothing was written. Use a kernel backend that computes on "
             "the loaded weights (format_spec/receiver-vllm.md §6, §10)"
         )
+
+
+# Attributes in which vLLM's MLA attention (DeepSeek-V2/V3 style) keeps copies derived from
+# kv_b_proj's weight after loading (MLAAttention.process_weights_after_loading; the CPU AMX impl
+# keeps VNNI-packed ones of its own): an in-place update of the weight would leave them stale.
+MLA_DERIVED = ("W_UK_T", "W_UV", "W_UK", "W_UK_T_dcp_qrep", "_v_up_proj", "_w_uk_packed", "_w_uv_packed")
+
+
+def _holds(obj: object, attr: str) -> bool:
+    """Whether ``obj`` holds ``attr`` itself: a plain attribute, a parameter or a buffer."""
+    own = getattr(obj, "__dict__", {})
+    return attr in own or attr in own.get("_parameters", {}) or attr in own.get("_buffers", {})
+
+
+def mla_derived_params(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter name -> why dcr cannot update it in place, for every MLA layer's kv_b_proj weight."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        kv_b_proj = module.__dict__.get("_modules", {}).get("kv_b_proj") or module.__dict__.get("kv_b_proj")
+        if not isinstance(kv_b_proj, torch.nn.Module):
+            continue
+        impl = getattr(module, "impl", None)
+        derived = [a for a in MLA_DERIVED if _holds(module, a) or (impl is not None and _holds(impl, a))]
+        if not derived and "MLA" not in type(module).__name__:
+            continue  # the model's own attention block that only holds the linear: the MLA layer is below it
+        weight = getattr(kv_b_proj, "weight", None)
+        if isinstance(weight, torch.Tensor) and id(weight) in names:
+            copies = "/".join(derived) if derived else "absorbed"
+            out[names[id(weight)]] = (
+                f"vLLM's MLA attention {module_name} ({type(module).__name__}) computes with {copies} copies "
+                "derived from it after loading, which an in-place update would leave stale"
+            )
+    return out

@@ -163,14 +163,18 @@ class Placement:
 
 
 class _PlanMode(TorchDispatchMode):
-    """Records, and skips, every write into a resident storage while the loader runs."""
+    """Records, and skips, every write into a resident storage while the loader runs.
 
-    def __init__(self, placeholder: torch.Tensor, storages: dict[int, str]) -> None:
+    ``placeholders``: storage pointer -> canonical name of each input (one, or a batch of them);
+    a copy from a view of one is that tensor's destination. A rejection that no input can be
+    blamed for (a copy from a temporary, another writing op) is recorded without a name.
+    """
+
+    def __init__(self, placeholders: dict[int, str], storages: dict[int, str]) -> None:
         super().__init__()
-        self.placeholder_ptr = storage_ptr(placeholder)
-        self.placeholder_dtype = placeholder.dtype
+        self.placeholders = placeholders
         self.storages = storages
-        self.destinations: list[Destination] = []
+        self.destinations: dict[str, list[Destination]] = {name: [] for name in placeholders.values()}
         self.rejections: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -188,14 +192,15 @@ class _PlanMode(TorchDispatchMode):
         param = self.storages[storage_ptr(dst)]
         if func is aten.copy_.default:
             src = args[1]
-            if not isinstance(src, torch.Tensor) or storage_ptr(src) != self.placeholder_ptr:
+            name = self.placeholders.get(storage_ptr(src)) if isinstance(src, torch.Tensor) else None
+            if name is None:
                 self.rejections.append(f"the loader writes transformed values into {param} (not a view of the input)")
             elif src.dtype != dst.dtype and (src.dtype, dst.dtype) not in EXACT_WIDENING:
                 self.rejections.append(f"the loader casts {src.dtype} to {dst.dtype} into {param}")
             elif src.size() != dst.size() or _overlaps(src):
                 self.rejections.append(f"the loader broadcasts the input into {param}")
             else:
-                self.destinations.append(
+                self.destinations[name].append(
                     Destination(
                         param,
                         dst.dtype,
@@ -243,35 +248,106 @@ def trace_placement(model: torch.nn.Module, name: str, shape: tuple[int, ...], d
     replaces parameters, or when it refuses the tensor.
     """
     resident = named_resident(model)
+    _check_not_meta(resident)
+    placements, failure = _trace(model, {name: (tuple(shape), dtype)}, resident)
+    if failure is not None:
+        raise failure
+    return placements[name]
+
+
+# Placeholder bytes per batched loader call (placeholders are never written: on CPU they cost
+# address space only; on an accelerator they are real allocations).
+TRACE_BATCH_BYTES = 256 << 20
+
+
+@torch.no_grad()
+def trace_placements(
+    model: torch.nn.Module, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> dict[str, Placement]:
+    """``trace_placement`` of many tensors, a batch of them per loader call.
+
+    One ``load_weights`` call per batch (the loader's own per-call cost, walking the model's
+    modules, is paid once per batch instead of once per tensor). A batch in which anything is
+    rejected, replaced or raised is traced again tensor by tensor, so the error names the
+    tensor and is the one ``trace_placement`` raises.
+    """
+    resident = named_resident(model)
+    _check_not_meta(resident)
+    out: dict[str, Placement] = {}
+    batch: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    held = 0
+
+    def flush() -> None:
+        placements, failure = _trace(model, batch, resident)
+        if failure is None:
+            out.update(placements)
+        else:
+            for name, (shape, dtype) in batch.items():
+                out[name] = trace_placement(model, name, shape, dtype)
+        batch.clear()
+
+    for name, (shape, dtype) in tensors.items():
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if nbytes == 0:  # an empty placeholder has no storage of its own to tell it apart by
+            out[name] = trace_placement(model, name, shape, dtype)
+            continue
+        if batch and held + nbytes > TRACE_BATCH_BYTES:
+            flush()
+            held = 0
+        batch[name] = (tuple(shape), dtype)
+        held += nbytes
+    if batch:
+        flush()
+    return out
+
+
+def _check_not_meta(resident: dict[str, torch.Tensor]) -> None:
     meta = [n for n, t in resident.items() if t.is_meta]
     if meta:
         raise IncompatibleError(
             f"parameter {meta[0]} is on the meta device (a layer-wise reload is in progress); "
             "dcr applies only to fully loaded weights"
         )
+
+
+def _trace(
+    model: torch.nn.Module,
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    resident: dict[str, torch.Tensor],
+) -> tuple[dict[str, Placement], IncompatibleError | None]:
+    """One loader call on placeholders for ``tensors``: their placements, or the error (named after
+    the first tensor of the batch; callers with several retrace one by one to name the culprit)."""
+    first = next(iter(tensors))
     device = next(iter(resident.values())).device if resident else torch.device("cpu")
-    placeholder = torch.empty(shape, dtype=dtype, device=device)
+    placeholders = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in tensors.items()}
     storages = resident_storages(model)
     before = {n: storage_ptr(t) for n, t in resident.items()}
-    mode = _PlanMode(placeholder, storages)
+    mode = _PlanMode({storage_ptr(t): name for name, t in placeholders.items()}, storages)
     try:
         with mode:
-            model.load_weights(iter([(name, placeholder)]))  # type: ignore[operator]
+            model.load_weights(iter(list(placeholders.items())))  # type: ignore[operator]
     except Exception as exc:
-        raise IncompatibleError(
-            f"{name}: vLLM's loader refused it ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+        return {}, IncompatibleError(
+            f"{first}: vLLM's loader refused it ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
             + _repack_hint(model)
-        ) from exc
-    after = {n: storage_ptr(t) for n, t in named_resident(model).items()}
+        )
+    now = named_resident(model)
+    after = {n: storage_ptr(t) for n, t in now.items()}
     if after != before:
         changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
-        raise IncompatibleError(f"{name}: the loader replaced parameter {changed[0]} instead of writing into it")
+        return {}, IncompatibleError(f"{first}: the loader replaced parameter {changed[0]} instead of writing into it")
     if mode.rejections:
-        raise IncompatibleError(f"{name}: {mode.rejections[0]}; dcr cannot apply a sparse delta exactly through it")
+        return {}, IncompatibleError(
+            f"{first}: {mode.rejections[0]}; dcr cannot apply a sparse delta exactly through it"
+        )
     # No destination on this rank is fine (pipeline stages hold some layers only); the apply checks
     # that every element is held by some rank.
-    pointers = {d.param: storage_ptr(resident[d.param]) for d in mode.destinations}
-    return Placement(name, tuple(shape), dtype, mode.destinations, pointers)
+    out = {}
+    for name, (shape, dtype) in tensors.items():
+        destinations = mode.destinations[name]
+        pointers = {d.param: storage_ptr(resident[d.param]) for d in destinations}
+        out[name] = Placement(name, shape, dtype, destinations, pointers)
+    return out, None
 
 
 def _repack_hint(model: torch.nn.Module) -> str:
@@ -298,7 +374,9 @@ def check_layout_kept(model: torch.nn.Module) -> None:
                 "dcr applies exactly only to unquantized engines"
             )
         linear = getattr(module, "cpu_linear", None)
-        if linear is not None and not getattr(linear, "dcr_plain", False):
+        # vLLM's own plain fallback (MLA's kv_b_proj) computes on the parameter as loaded, as dcr's does.
+        plain = getattr(linear, "dcr_plain", False) or linear is torch.nn.functional.linear
+        if linear is not None and not plain:
             raise IncompatibleError(
                 f"{module_name}: the CPU backend repacked its weight for oneDNN/SGL, so the resident "
                 "parameter is not what the engine computes with; install the dcr plugin (it keeps "
