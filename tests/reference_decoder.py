@@ -261,6 +261,10 @@ def _unwrap(raw: bytes) -> bytes:
         size = check_frame(raw)
     except Refused as exc:
         raise Refused("manifest-frame", str(exc)) from None
+    dict_bytes = (0, 1, 2, 4)[raw[4] & 3]
+    start = 5 + (0 if raw[4] & 0x20 else 1)
+    if dict_bytes and int.from_bytes(raw[start : start + dict_bytes], "little"):
+        raise Refused("manifest-frame", "the frame names a dictionary")
     if size > MAX_MANIFEST:
         raise Refused("limit", f"manifest frame declares {size} bytes")
     try:

@@ -22,7 +22,7 @@ GROUP_WORDS = 64
 SMALL_SCAN = 1 << 15
 
 
-def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
+def _make_scan_words(lanes: int, release_gil: bool = True) -> Callable[..., tuple[int, int]]:
     """The scan kernel for elements of 64 / ``lanes`` bits, with the lane count fixed at compile time.
 
     A group of 64 word comparisons becomes one bit mask (a loop LLVM vectorizes: it reads the group
@@ -33,11 +33,14 @@ def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
     """
     bits = 64 // lanes
     lane_mask = np.uint64((1 << bits) - 1)
+    holds_gil = not release_gil  # a closure value: the two variants are cached apart (numba keys on closures)
 
-    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    @numba.njit(nogil=release_gil, cache=True, boundscheck=False)
     def scan_words(base_words, new_words, word, end, k, positions, masks, news):
         # Scans words [word, end), appending at ``k``; stops early when a group might not fit.
         # Returns (k, next word); the caller grows the outputs and resumes while next word < end.
+        if holds_gil:
+            pass
         capacity = positions.shape[0]
         while word < end:
             size = min(GROUP_WORDS, end - word)
@@ -72,6 +75,10 @@ def _make_scan_words(lanes: int) -> Callable[..., tuple[int, int]]:
 
 
 _SCAN_WORDS = {lanes: _make_scan_words(lanes) for lanes in (1, 2, 4, 8)}
+# For arrays of at most SMALL_SCAN elements the scan takes microseconds: releasing the GIL for it
+# only hands the interpreter to another worker and waits to get it back (an MoE diff scans 100k
+# such tensors on every core), so the small variant keeps it.
+_SCAN_WORDS_HELD = {lanes: _make_scan_words(lanes, release_gil=False) for lanes in (1, 2, 4, 8)}
 
 
 def scan_changes(
@@ -90,7 +97,7 @@ def scan_changes(
     n = base.shape[0]
     lanes = 8 // base.dtype.itemsize
     full = (n // lanes) * lanes
-    scan_words = _SCAN_WORDS[lanes]
+    scan_words = (_SCAN_WORDS_HELD if n <= SMALL_SCAN else _SCAN_WORDS)[lanes]
     base_words, new_words = base[:full].view(np.uint64), new[:full].view(np.uint64)
     n_words = len(base_words)
     # Sized for a sparse change; a dense one grows it a few times (amortized, like a list). A small

@@ -591,7 +591,7 @@ def _item_v1(obj: Any, index: int, tensors: dict[str, TensorEntry], blocks: list
     if obj.get("repair") is not None:
         repair = Section.from_json(obj["repair"], where + ".repair")
     return _item(
-        where,
+        index,
         name,
         tensors[name],
         region,
@@ -660,11 +660,11 @@ def _item_v2(
 ) -> Item:
     """A 2.x item row (delta-v2 §4.4): the structure here, every rule shared with 1.x in ``_item``
     (pre, post and section digests are checked by the caller, for all items at once)."""
-    where = f"items[{index}]"
+    where = f"items[{index}]" if type(row) is not list or len(row) < 8 else _Where(index)
     if type(row) is not list or len(row) < 8:
         raise FormatError(f"{where}: must be a row {_ITEM_ROW}")
     t, op, count, region_raw, data_raw, repair_raw, pre, post = row[:8]
-    optional = row[8] if len(row) > 8 else {}
+    optional = row[8] if len(row) > 8 else _NO_MEMBERS
     if not isinstance(optional, dict):
         raise FormatError(f"{where}: the 9th element (optional members) must be an object")
     if type(t) is not int:
@@ -681,24 +681,24 @@ def _item_v2(
         known = regions.get(key)
         if known is None:
             known = regions[key] = Region.range(a, b)
-            known.check_within(entry.shape, where)
+            known.check_within(entry.shape, str(where))
         region = known
     elif _int_list(a) and _int_list(b) and len(a) == len(b):
         region = Region.box(a, b)
-        region.check_within(entry.shape, where)
+        region.check_within(entry.shape, str(where))
     else:
         raise FormatError(f"{where}: region must be two integers [start, stop] or two integer lists of one length")
     if type(data_raw) is not list or len(data_raw) != 5:
         raise FormatError(f"{where}.data: section must be [block, offset, length, positions_length, digest]")
-    data = _section_v2(data_raw[0], data_raw[1], data_raw[2], data_raw[4], where + ".data")
+    data = _section_v2(data_raw[0], data_raw[1], data_raw[2], data_raw[4], where, ".data")
     repair = None
     if repair_raw is not None:
         if type(repair_raw) is not list or len(repair_raw) != 4:
             raise FormatError(f"{where}.repair: section must be [block, offset, length, digest] or null")
         rb, ro, rl, rd = repair_raw
-        repair = _section_v2(rb, ro, rl, rd, where + ".repair")
+        repair = _section_v2(rb, ro, rl, rd, where, ".repair")
     return _item(
-        where,
+        index,
         name,
         entry,
         region,
@@ -716,15 +716,33 @@ def _item_v2(
     )
 
 
-def _section_v2(block: Any, offset: Any, length: Any, digest: Any, where: str) -> Section:
+def _section_v2(block: Any, offset: Any, length: Any, digest: Any, where: object, field: str) -> Section:
     """A 2.x section; its digest is checked with all the others (``_items_v2``)."""
     if type(block) is int and type(offset) is int and type(length) is int and min(block, offset, length) >= 0:
         return Section(block, offset, length, digest)
-    return Section.checked(block, offset, length, digest, 2, where)  # raises with the reason
+    return Section.checked(block, offset, length, digest, 2, f"{where}{field}")  # raises with the reason
+
+
+class _Where:
+    """``items[i]`` for an error message, formatted only if one is raised (100k f-strings cost ~0.1 s)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __str__(self) -> str:
+        return f"items[{self.index}]"
+
+    def __format__(self, spec: str) -> str:
+        return str(self)
+
+
+_NO_MEMBERS: dict[str, Any] = {}  # an item row without its optional-members object (read only)
 
 
 def _item(
-    where: str,
+    index: int,
     name: str,
     entry: TensorEntry,
     region: Region,
@@ -746,35 +764,35 @@ def _item(
     the section digests itself (2.x: in bulk).
     """
     if not checked:
-        region.check_within(entry.shape, where)
+        region.check_within(entry.shape, f"items[{index}]")
     if not isinstance(op, str) or op not in OPS:
-        raise FormatError(f"{where}: unknown op {_show(op)} (this dcr knows {', '.join(OPS)}); upgrade dcr")
+        raise FormatError(f"items[{index}]: unknown op {_show(op)} (this dcr knows {', '.join(OPS)}); upgrade dcr")
     if type(count) is not int or not 0 <= count <= region.size:
-        raise FormatError(f"{where}: count must be an integer within the region size {region.size}")
+        raise FormatError(f"items[{index}]: count must be an integer within the region size {region.size}")
     if op == "replace" and count != region.size:
-        raise FormatError(f"{where}: a replace item must cover its whole region")
+        raise FormatError(f"items[{index}]: a replace item must cover its whole region")
     if type(positions_length) is not int or not 0 <= positions_length <= data.length:
-        raise FormatError(f"{where}: data.positions_length must be an integer within data.length")
+        raise FormatError(f"items[{index}]: data.positions_length must be an integer within data.length")
     if op == "replace" and positions_length != 0:
-        raise FormatError(f"{where}: a replace item carries no positions")
+        raise FormatError(f"items[{index}]: a replace item carries no positions")
     if op == "xor" and repair is None:
-        raise FormatError(f"{where}: an xor item must carry a repair section")
+        raise FormatError(f"items[{index}]: an xor item must carry a repair section")
     for section, role in ((data, "data"), (repair, "repair")):
         if section is None:
             continue
         if section.block >= len(blocks):
-            raise FormatError(f"{where}: {role} section names block {section.block}, which does not exist")
+            raise FormatError(f"items[{index}]: {role} section names block {section.block}, which does not exist")
         block = blocks[section.block]
         if block.role != role:
-            raise FormatError(f"{where}: {role} section points into a {block.role} block")
+            raise FormatError(f"items[{index}]: {role} section points into a {block.role} block")
         if section.offset + section.length > block.size:
-            raise FormatError(f"{where}: {role} section runs past the end of its block")
+            raise FormatError(f"items[{index}]: {role} section runs past the end of its block")
     if not checked and not (is_digest(pre) and is_digest(post)):
-        raise FormatError(f"{where}: pre and post must be 64 lowercase hex digests")
+        raise FormatError(f"items[{index}]: pre and post must be 64 lowercase hex digests")
     if residual is not None and not isinstance(residual, str):
-        raise FormatError(f"{where}: residual must be a string")
+        raise FormatError(f"items[{index}]: residual must be a string")
     if changed is not None and not (_is_int(changed) and 0 <= changed <= count):
-        raise FormatError(f"{where}: changed must be an integer within count {count}")
+        raise FormatError(f"items[{index}]: changed must be an integer within count {count}")
     changed = changed if op == "replace" else None  # spec §4.4: informative, replace only
     # Positional (the fields' order): measurably faster than keywords at 100k items.
     return Item(name, region, op, count, data, positions_length, pre, post, repair, residual, changed)  # type: ignore[arg-type]  # one of OPS, checked above
@@ -782,9 +800,16 @@ def _item(
 
 def _check_disjoint(items: list[Item]) -> None:
     """No canonical element may be touched by two items (so no element is XORed twice)."""
-    by_tensor: dict[str, list[Region]] = {}
+    first: dict[str, Region] = {}
+    by_tensor: dict[str, list[Region]] = {}  # tensors with two items or more: the only ones to check
     for it in items:
-        by_tensor.setdefault(it.tensor, []).append(it.region)
+        seen = first.get(it.tensor)
+        if seen is None:
+            first[it.tensor] = it.region
+        elif it.tensor in by_tensor:
+            by_tensor[it.tensor].append(it.region)
+        else:
+            by_tensor[it.tensor] = [seen, it.region]
     for name, regions in by_tensor.items():
         if len({r.is_box for r in regions}) > 1:
             raise FormatError(f"tensor {_show(name)}: items mix flat ranges and boxes")
