@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="dense reloads and verifies to time (median)")
     parser.add_argument("--lr", type=float, default=1e-6, help="--source train: AdamW learning rate")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--keep", action="store_true", help="keep the corpus and deltas (removed by default)")
     args = parser.parse_args()
 
     sys.path[:0] = [str(REPO / "tests"), str(REPO / "examples")]
@@ -112,94 +114,99 @@ def main() -> None:
     engine_env()
     ensure_plugin_entry_point()
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-vllm-"))
-    if args.source == "train":
-        from train_tiny import train
+    try:
+        if args.source == "train":
+            from train_tiny import train
 
-        if args.size not in ("tiny", "small"):
-            parser.error("--source train builds tiny or small only")
-        paths = train(work, 2, args.size, lr=args.lr)
-        rates: list[float | None] = [None, None]
-    else:
-        rates = [float(r) for r in args.rates.split(",")]
-        paths = synthetic_versions(work, args.size, rates)  # type: ignore[arg-type]
-    deltas = []
-    for i in range(1, len(paths)):
-        out = work / f"d{i}"
-        deltas.append(diff(paths[i - 1], paths[i], out, base_version=f"v{i - 1}", target_version=f"v{i}"))
-    checkpoint_bytes = sum(f.stat().st_size for f in paths[-1].glob("*.safetensors"))
+            if args.size not in ("tiny", "small"):
+                parser.error("--source train builds tiny or small only")
+            paths = train(work, 2, args.size, lr=args.lr)
+            rates: list[float | None] = [None, None]
+        else:
+            rates = [float(r) for r in args.rates.split(",")]
+            paths = synthetic_versions(work, args.size, rates)  # type: ignore[arg-type]
+        deltas = []
+        for i in range(1, len(paths)):
+            out = work / f"d{i}"
+            deltas.append(diff(paths[i - 1], paths[i], out, base_version=f"v{i - 1}", target_version=f"v{i}"))
+        checkpoint_bytes = sum(f.stat().st_size for f in paths[-1].glob("*.safetensors"))
 
-    llm = start_llm(paths[0])
-    figures: dict[str, Any] = {"size": args.size, "checkpoint_mib": checkpoint_bytes / 2**20, "applies": []}
-    for i in range(1, len(paths)):
-        t = time.perf_counter()
-        report = apply_to_llm(llm, work / f"d{i}")
-        wall = time.perf_counter() - t
-        figures["applies"].append({"delta": f"d{i}", "rate": rates[i - 1], "wall": wall, **report})
+        llm = start_llm(paths[0])
+        figures: dict[str, Any] = {"size": args.size, "checkpoint_mib": checkpoint_bytes / 2**20, "applies": []}
+        for i in range(1, len(paths)):
+            t = time.perf_counter()
+            report = apply_to_llm(llm, work / f"d{i}")
+            wall = time.perf_counter() - t
+            figures["applies"].append({"delta": f"d{i}", "rate": rates[i - 1], "wall": wall, **report})
 
-    verify_times = []
-    for _ in range(args.repeat):
-        t = time.perf_counter()
-        verify_llm(llm)
-        verify_times.append(time.perf_counter() - t)
-    verify_s = statistics.median(verify_times)
+        verify_times = []
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            verify_llm(llm)
+            verify_times.append(time.perf_counter() - t)
+        verify_s = statistics.median(verify_times)
 
-    from safetensors import safe_open
+        from safetensors import safe_open
 
-    model = resident_model(llm)
-    dense_times = []
-    with safe_open(str(paths[-1] / "model.safetensors"), "pt") as f:  # untimed: the file into page cache
-        model.load_weights((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
-    for _ in range(args.repeat):
-        t = time.perf_counter()
-        with safe_open(str(paths[-1] / "model.safetensors"), "pt") as f:
+        model = resident_model(llm)
+        dense_times = []
+        with safe_open(str(paths[-1] / "model.safetensors"), "pt") as f:  # untimed: the file into page cache
             model.load_weights((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
-        llm.reset_prefix_cache()
-        dense_times.append(time.perf_counter() - t)
-    verify_llm(llm)  # the dense reload of the same checkpoint leaves the same bits
-    dense = statistics.median(dense_times)
-    figures.update(dense=dense, dense_all=dense_times, verify=verify_s)
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            with safe_open(str(paths[-1] / "model.safetensors"), "pt") as f:
+                model.load_weights((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
+            llm.reset_prefix_cache()
+            dense_times.append(time.perf_counter() - t)
+        verify_llm(llm)  # the dense reload of the same checkpoint leaves the same bits
+        dense = statistics.median(dense_times)
+        figures.update(dense=dense, dense_all=dense_times, verify=verify_s)
 
-    import dcr_cli
+        import dcr_cli
 
-    print(f"model: {args.size}, checkpoint {checkpoint_bytes / 2**20:.1f} MiB, cores {len(os.sched_getaffinity(0))}")
-    print(f"dcr_cli from {Path(dcr_cli.__file__).parent} (the engine runs in this process)")
-    print(
-        f"vLLM dense reload (load_weights, median of {args.repeat}):      {dense * 1e3:8.1f} ms   1.00x"
-        f"   (all: {', '.join(f'{t * 1e3:.0f}' for t in dense_times)} ms)"
-    )
-    for k, a in enumerate(figures["applies"]):
-        label = "first " if k == 0 else "steady"
-        rate = "" if a["rate"] is None else f"{a['rate']:.1%}"
+        cores = len(os.sched_getaffinity(0))
+        print(f"model: {args.size}, checkpoint {checkpoint_bytes / 2**20:.1f} MiB, cores {cores}")
+        print(f"dcr_cli from {Path(dcr_cli.__file__).parent} (the engine runs in this process)")
         print(
-            f"dcr apply {a['delta']} ({label}, {rate:>5} changed, {a['written_elements']:>10,} elements): "
-            f"{a['wall'] * 1e3:8.1f} ms  {a['wall'] / dense:5.2f}x"
+            f"vLLM dense reload (load_weights, median of {args.repeat}):      {dense * 1e3:8.1f} ms   1.00x"
+            f"   (all: {', '.join(f'{t * 1e3:.0f}' for t in dense_times)} ms)"
         )
-        parts = a.get("phases") or {}
-        if parts:
-            shown = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in parts.items())
-            print(f"    in-engine phases (ms): {shown}")
-        if "writes_and_proof" in parts:  # one rank: writes and proof interleaved on all cores
-            cpu = parts.get("writes_cpu", 0.0) + parts.get("proof_cpu", 0.0)
+        for k, a in enumerate(figures["applies"]):
+            label = "first " if k == 0 else "steady"
+            rate = "" if a["rate"] is None else f"{a['rate']:.1%}"
             print(
-                f"    writes + proof {parts['writes_and_proof'] * 1e3:.1f} ms wall "
-                f"({parts.get('proof_cpu', 0.0) / max(cpu, 1e-9):.0%} of their thread time is the proof's hashing)"
+                f"dcr apply {a['delta']} ({label}, {rate:>5} changed, {a['written_elements']:>10,} elements): "
+                f"{a['wall'] * 1e3:8.1f} ms  {a['wall'] / dense:5.2f}x"
             )
-        elif "proof_seconds" in a:
-            share = a["proof_seconds"] / max(a["wall"], 1e-9)
-            print(f"    proof {a['proof_seconds'] * 1e3:.1f} ms ({share:.0%} of the apply)")
-        if parts.get("fingerprint"):
-            fp = parts["fingerprint"]
-            print(f"    first read-back fingerprint {fp * 1e3:.1f} ms  {fp / dense:5.2f}x")
-        if "pause_seconds" in a:
-            print(
-                f"    engine pause window: {a['pause_seconds'] * 1e3:8.1f} ms  {a['pause_seconds'] / dense:5.2f}x"
-                f"   (checked and read before it: {a.get('prepare_seconds', 0.0) * 1e3:.1f} ms)"
-            )
-    label = f"verify_llm (median of {args.repeat}):"
-    print(f"{label:<59}{verify_s * 1e3:8.1f} ms  {verify_s / dense:5.2f}x")
-    print(f"  load average {os.getloadavg()[0]:.1f}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2, default=str))
+            parts = a.get("phases") or {}
+            if parts:
+                shown = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in parts.items())
+                print(f"    in-engine phases (ms): {shown}")
+            if "writes_and_proof" in parts:  # one rank: writes and proof interleaved on all cores
+                cpu = parts.get("writes_cpu", 0.0) + parts.get("proof_cpu", 0.0)
+                print(
+                    f"    writes + proof {parts['writes_and_proof'] * 1e3:.1f} ms wall "
+                    f"({parts.get('proof_cpu', 0.0) / max(cpu, 1e-9):.0%} of their thread time is the proof's hashing)"
+                )
+            elif "proof_seconds" in a:
+                share = a["proof_seconds"] / max(a["wall"], 1e-9)
+                print(f"    proof {a['proof_seconds'] * 1e3:.1f} ms ({share:.0%} of the apply)")
+            if parts.get("fingerprint"):
+                fp = parts["fingerprint"]
+                print(f"    first read-back fingerprint {fp * 1e3:.1f} ms  {fp / dense:5.2f}x")
+            if "pause_seconds" in a:
+                print(
+                    f"    engine pause window: {a['pause_seconds'] * 1e3:8.1f} ms  {a['pause_seconds'] / dense:5.2f}x"
+                    f"   (checked and read before it: {a.get('prepare_seconds', 0.0) * 1e3:.1f} ms)"
+                )
+        label = f"verify_llm (median of {args.repeat}):"
+        print(f"{label:<59}{verify_s * 1e3:8.1f} ms  {verify_s / dense:5.2f}x")
+        print(f"  load average {os.getloadavg()[0]:.1f}")
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2, default=str))
+    finally:
+        if not args.keep:  # the corpus is several GiB at the larger sizes
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

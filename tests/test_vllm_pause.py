@@ -120,3 +120,30 @@ def test_staged_pass_is_dropped_or_partial_and_the_result_is_exact(
         apply_to_engine(InProcessEngine(llm), root / f"d{i}")
     fresh = start_llm(qwen3[-1])
     assert differing(resident_bits(llm), resident_bits(fresh)) == []
+
+
+def test_an_update_refused_before_any_write_resumes_and_the_next_apply_starts_a_new_session(
+    qwen3: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend records the refusal (it never raises into vLLM); the client reads it from every
+    rank, closes the update session without a version, resumes the engine and raises the error's
+    own class. The next apply then starts a new session and ends exact."""
+    root = qwen3[0].parent
+    llm = start_llm(qwen3[0])
+    before = resident_bits(llm)
+
+    def refusing(self: Any, delta: Any) -> Any:
+        raise IntegrityError("a data block went missing (injected)")
+
+    monkeypatch.setattr(engine_apply.EngineReceiver, "apply", refusing)
+    engine = Recording(llm)
+    with pytest.raises(IntegrityError, match=r"vLLM engine: a data block went missing \(injected\)"):
+        apply_to_engine(engine, root / "d1")
+    assert engine.calls == ["prepare", "pause", "update", "status", "resume"], engine.calls
+    assert differing(resident_bits(llm), before) == []
+    assert llm.get_weight_version() != "step-1"  # no version was stamped
+    monkeypatch.undo()
+    report = apply_to_engine(Recording(llm), root / "d1")  # would fail if the session were still open
+    assert report["status"] == "applied"
+    verify_llm(llm)
+    assert llm.get_weight_version() == "step-1"

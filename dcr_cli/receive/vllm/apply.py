@@ -467,7 +467,7 @@ class EngineReceiver:
             )
         if self.state.fingerprint is None:
             started = time.perf_counter()
-            resident = self.fingerprint_resident(m.tensors)
+            resident = self.agree(lambda: self.fingerprint_resident(m.tensors))  # ranks exchange per tensor
             self._fingerprint_seconds = time.perf_counter() - started
             held = fingerprint(resident)
             if held == m.target.fingerprint:
@@ -786,7 +786,8 @@ class EngineReceiver:
         self._begin()
         self._staged = None
         check_layout_kept(self.model)
-        digests = self.digests(table)
+        held = table
+        digests = self.agree(lambda: self.digests(held))  # several ranks exchange per tensor: fail together
         mismatched = [name for name, entry in sorted(table.items()) if digests[name] != entry.digest]
         return {"tensors": len(table), "mismatched": mismatched, "fingerprint": fingerprint(table)}
 

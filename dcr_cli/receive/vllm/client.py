@@ -196,9 +196,9 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     # Every rank recorded its outcome and returned normally (nothing is left queued in vLLM's
     # channels): ask all of them, and fail if any one failed.
     statuses = engine.rpc("status")
-    errors = _errors(statuses)
-    if errors:
-        _failed(engine, statuses, errors[0], closed=False)
+    failures = _errors(statuses)
+    if failures:
+        _failed(engine, statuses, failures[0], closed=False)
     engine.finish(target)
     engine.reset_prefix_cache()
     engine.resume()
