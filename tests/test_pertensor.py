@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, read_raw, write_checkpoint
+from manifest_text import manifest_text
 
 import dcr_cli
 from dcr_cli.checkpoints import safetensors_dir
@@ -57,8 +58,7 @@ def _files(delta: Path) -> dict[str, bytes]:
 
 def _diff(base: Path, new: Path, out: Path, workers: int) -> dict[str, bytes]:
     engine.diff(base, new, out, base_version="v0", target_version="v1", workers=workers)
-    raw = (out / "manifest.json").read_bytes()
-    manifest = json.loads(raw)
+    manifest = json.loads(manifest_text(out))
     manifest.pop("created")
     files = _files(out)
     files["manifest.json"] = json.dumps(manifest).encode()
@@ -248,7 +248,7 @@ def test_inspect_prints_long_tables_as_plain_columns(tmp_path: Path, monkeypatch
     result = CliRunner().invoke(main, ["inspect", str(tmp_path / "d")])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0] == "v[0] -> v\\n1  (format 1.0)"  # escaped, verbatim, one line
+    assert lines[0] == "v[0] -> v\\n1  (format 2.0)"  # escaped, verbatim, one line
     assert lines[1].split() == ["tensor", "dtype", "changed", "%", "op", "bytes", "ratio", "residual"]
     body = lines[3:-1]
     assert len(body) == len(report.tensors)

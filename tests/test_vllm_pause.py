@@ -6,7 +6,6 @@ real in-process engine driver (every call still goes to vLLM).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,10 @@ from conftest import require_or_skip
 
 require_or_skip("vllm")
 
-from manifest_text import manifest_text
 from vllm_support import differing, engine_env, ensure_plugin_entry_point, resident_bits, start_llm, train_run
 
 from dcr_cli.errors import IncompatibleError, IntegrityError
+from dcr_cli.format.manifest import MANIFEST_NAME, parse_manifest
 from dcr_cli.receive.vllm import apply as engine_apply
 from dcr_cli.receive.vllm import verify_llm
 from dcr_cli.receive.vllm.client import InProcessEngine, apply_to_engine
@@ -62,9 +61,9 @@ class Recording(InProcessEngine):
 
 def corrupt_data_block(delta: Path, out: Path) -> Path:
     shutil.copytree(delta, out)
-    manifest = json.loads(manifest_text(out))
-    block = next(b for b in manifest["blocks"] if b["role"] == "data")
-    path = out / "blocks" / block["id"]
+    manifest = parse_manifest((out / MANIFEST_NAME).read_bytes())
+    block = next(b for b in manifest.blocks if b.role == "data")
+    path = out / block.path
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     path.write_bytes(bytes(raw))

@@ -12,11 +12,6 @@ and its digest is computed as the ranges arrive.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -26,11 +21,10 @@ from fsspec.implementations.local import LocalFileSystem
 from ..errors import IntegrityError
 from ..format.digest import StreamingDigest
 from ..format.manifest import BLOCKS_DIR, BlockEntry
-from ..io.reading import RegularFiles, read_regular_file
+from ..io.reading import RegularFiles
 
 T = TypeVar("T")
 CHUNK_BYTES = 16 << 20  # one ranged read while a whole block is verified
-SPOOL_MEMORY_BYTES = 256 << 20  # verified remote blocks kept in memory up to this, then in a temporary directory
 
 
 class BlockSource:
@@ -87,45 +81,3 @@ class BlockSource:
             yield data
         if digest.hexdigest() != block.id:
             raise IntegrityError(f"block {block.id[:16]}… in {self.label} is corrupt (digest mismatch)")
-
-
-class BlockSpool:
-    """Verified blocks of a remote delta, kept so that each is fetched once (memory first, then disk)."""
-
-    def __init__(self, memory_bytes: int = SPOOL_MEMORY_BYTES) -> None:
-        self.memory_bytes = memory_bytes
-        self._memory: dict[str, bytes] = {}
-        self._on_disk: set[str] = set()
-        self._held = 0
-        self._dir: str | None = None
-        self._lock = threading.Lock()
-
-    def __contains__(self, block_id: str) -> bool:
-        return block_id in self._memory or block_id in self._on_disk
-
-    def add(self, block_id: str, chunks: Iterator[bytes], size: int) -> None:
-        if size <= self.memory_bytes - self._held:
-            data = b"".join(chunks)
-            with self._lock:
-                self._memory[block_id] = data
-                self._held += len(data)
-            return
-        with self._lock:
-            if self._dir is None:
-                self._dir = tempfile.mkdtemp(prefix="dcr-blocks-")
-                weakref.finalize(self, shutil.rmtree, self._dir, True)
-            directory = self._dir
-        tmp = os.path.join(directory, f".{block_id}.part")
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-        os.replace(tmp, os.path.join(directory, block_id))
-        with self._lock:
-            self._on_disk.add(block_id)
-
-    def read(self, block_id: str, start: int, end: int) -> bytes:
-        data = self._memory.get(block_id)
-        if data is not None:
-            return data[start:end]
-        assert self._dir is not None
-        return read_regular_file(os.path.join(self._dir, block_id), start, end)
