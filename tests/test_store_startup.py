@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from store_fixtures import REPO_ROOT
 
+from dcr_cli.errors import FormatError
 from dcr_cli.format import strict_json
-from dcr_cli.format._json_depth import max_depth
+from dcr_cli.format._json_depth import scan
 
 
 def test_the_plain_depth_scan_agrees_with_the_compiled_one() -> None:
@@ -18,7 +20,7 @@ def test_the_plain_depth_scan_agrees_with_the_compiled_one() -> None:
     alphabet = b'[]{}"\\a\n'
     for _ in range(20000):
         raw = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
-        expected = int(max_depth(np.frombuffer(raw, dtype=np.uint8))) if raw else 0
+        expected = int(scan(np.frombuffer(raw, dtype=np.uint8))[0]) if raw else 0
         assert strict_json._depth(raw) == expected, raw
     # Hostile shapes stay linear and right: escaped quotes inside an unterminated string, deep brackets.
     assert strict_json._depth(b'"' + b'\\"' * 100_000) == 0
@@ -30,3 +32,19 @@ def test_store_commands_do_not_import_numba() -> None:
     code = "import sys, dcr_cli.store, dcr_cli.cli; assert 'numba' not in sys.modules, 'numba imported'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("pad", [0, strict_json.COMPILED_FROM], ids=["small", "large"])
+def test_both_paths_hold_the_same_limits(pad: int) -> None:
+    """A small document is checked by the regex scan and json's parse_int hook, a large one by the
+    compiled scan: the same inputs are refused either way, and the same accepted."""
+    filler = '"' + "x" * pad + '"'
+    ok = f'[{filler}, 12345678901234567890, -1.5e300, "99999999999999999999999", [[[0]]]]'
+    assert strict_json.load_json(ok.encode(), "doc")[1] == 12345678901234567890
+    for bad, reason in (
+        (f"[{filler}, 123456789012345678901]", "digits"),
+        (f"[{filler}, -123456789012345678901]", "digits"),
+        (f"[{filler}, " + "[" * 65 + "]" * 65 + "]", "nested"),
+    ):
+        with pytest.raises(FormatError, match=reason):
+            strict_json.load_json(bad.encode(), "doc")
