@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import emit_json, handle_errors
+from .common import emit_json, handle_errors, say
 from .store_options import parse_storage_options, storage_options
 
 
@@ -28,4 +28,4 @@ def command(
     if as_json:
         emit_json(ack)
     else:
-        click.echo(f"{url}: {receiver} acknowledged {version}")
+        say(f"{url}: {receiver} acknowledged {version}")

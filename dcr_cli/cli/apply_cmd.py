@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import DcrError
-from .common import emit_json, handle_errors
+from .common import emit_json, handle_errors, say
 from .store_options import parse_storage_options, storage_options
 from .vllm_cmd import VLLM_OPTION_HELP, apply_vllm
 
@@ -72,12 +72,12 @@ def command(
         storage_options=options,
         workers=workers,
         verify=verify_after,
-        log=None if as_json else click.echo,
+        log=None if as_json else say,
     )
     if as_json:
         emit_json(result.to_json())
     else:
         if result.steps:
-            click.echo(result.message)
+            say(result.message)
         if ack_url:
-            click.echo(f"acknowledged {result.version} as {receiver!r} on {ack_url}")
+            say(f"acknowledged {result.version} as {receiver!r} on {ack_url}")

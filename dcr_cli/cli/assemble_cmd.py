@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .common import emit_json, handle_errors
+from .common import emit_json, handle_errors, say
 
 
 @click.command("assemble")
@@ -22,4 +22,4 @@ def command(out: str, as_json: bool) -> None:
     if as_json:
         emit_json(summary.to_json())
     else:
-        click.echo(f"{summary.delta}: assembled, {summary.changed_elements} changed elements")
+        say(f"{summary.delta}: assembled, {summary.changed_elements} changed elements")

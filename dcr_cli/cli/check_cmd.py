@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import VerifyFailed
-from .common import emit_json, handle_errors, human_bytes
+from .common import emit_json, handle_errors, human_bytes, say
 from .store_options import parse_storage_options, storage_options
 
 
@@ -46,16 +46,16 @@ def command(
     if as_json:
         emit_json(result.to_json())
     else:
-        click.echo(
+        say(
             f"{url}: {result.versions} versions ({result.committed} committed), {result.blocks} blocks; "
             f"read {result.blocks_read} blocks ({human_bytes(result.bytes_read)})"
         )
         if result.unreferenced_blocks or result.unreferenced_manifests:
-            click.echo(
+            say(
                 f"unreferenced (killed pushes or dropped versions; dcr gc removes them): "
                 f"{len(result.unreferenced_blocks)} blocks, {len(result.unreferenced_manifests)} manifests"
             )
         for problem in result.problems:
-            click.echo(f"problem: {problem}", err=True)
+            say(f"problem: {problem}", err=True)
     if not result.ok:
         raise VerifyFailed(f"{url}: {len(result.problems)} problems found: {result.problems[0]}")

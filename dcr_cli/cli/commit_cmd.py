@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import emit_json, handle_errors
+from .common import emit_json, handle_errors, say
 from .store_options import parse_storage_options, storage_options
 
 
@@ -44,6 +44,6 @@ def command(
     if as_json:
         emit_json(result.to_json())
     elif result.already_committed:
-        click.echo(f"{url}: {version} was already committed")
+        say(f"{url}: {version} was already committed")
     else:
-        click.echo(f"{url}: committed {version} (acked by {', '.join(result.acked)}); diff the next step against it")
+        say(f"{url}: committed {version} (acked by {', '.join(result.acked)}); diff the next step against it")

@@ -32,6 +32,12 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
+def say(text: str, err: bool = False) -> None:
+    """Print one line of human output. Every command's messages go through here: they carry version
+    labels, receiver names and paths that come from manifests and store records, which may be hostile."""
+    click.echo(printable(text), err=err)
+
+
 def one_line(text: str) -> str:
     """A message as one printable line (see :func:`printable`)."""
     return printable(text).strip() or "(no message)"

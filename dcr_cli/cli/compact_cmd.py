@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from .common import emit_json, handle_errors, human_bytes
+from .common import emit_json, handle_errors, human_bytes, say
 from .store_options import parse_storage_options, storage_options
 
 
@@ -55,14 +55,12 @@ def command(
         frame = publish_keyframe(url, keyframe, version=version, storage_options=options)
         out["keyframe"] = {"version": frame.version, "bytes": frame.bytes}
         if not as_json:
-            click.echo(f"{url}: keyframe {frame.version} ({human_bytes(frame.bytes)}, {len(frame.files)} files)")
+            say(f"{url}: keyframe {frame.version} ({human_bytes(frame.bytes)}, {len(frame.files)} files)")
     if every is not None:
-        result = compact(
-            url, every=every, storage_options=options, workers=workers, log=None if as_json else click.echo
-        )
+        result = compact(url, every=every, storage_options=options, workers=workers, log=None if as_json else say)
         out["shortcuts"] = result.to_json()
         if not as_json:
-            click.echo(
+            say(
                 f"{url}: {len(result.published)} shortcut(s) published from keyframe {result.keyframe}, "
                 f"{len(result.present)} already there"
             )
@@ -95,7 +93,7 @@ def catch_up_pull(
         if as_json:
             emit_json(joined.to_json())
         else:
-            click.echo(
+            say(
                 f"{joined.path}: joined at keyframe {joined.version} ({human_bytes(joined.bytes)}), fingerprint "
                 f"verified; follow with: dcr apply {url} --since {joined.version} --into {joined.path}"
             )
@@ -107,7 +105,7 @@ def catch_up_pull(
     chosen = plan(url, since, version, storage_options=options)
     if all(s.kind == "chain" for s in chosen.steps):
         if not as_json:
-            click.echo(chosen.describe())
+            say(chosen.describe())
         return False
     written = pull_plan(
         url, chosen, out, storage_options=options, workers=workers, repair=repair, limit_rate=limit_rate
@@ -116,9 +114,9 @@ def catch_up_pull(
         steps = [{"kind": s.kind, "base": s.base, "target": s.target, "bytes": s.bytes} for s in chosen.steps]
         emit_json({"path": steps, "bytes": chosen.bytes, "chain_bytes": chosen.chain_bytes, "written": written})
         return True
-    click.echo(chosen.describe())
+    say(chosen.describe())
     for path in written:
-        click.echo(f"{path}: verified")
+        say(f"{path}: verified")
     if any(s.kind == "keyframe" for s in chosen.steps):
-        click.echo(f"the keyframe replaces the receiver's checkpoint; then apply the deltas under {out}")
+        say(f"the keyframe replaces the receiver's checkpoint; then apply the deltas under {out}")
     return True

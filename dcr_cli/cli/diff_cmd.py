@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ..checkpoints import FORMATS as FORMAT_CHOICES
-from .common import emit_json, handle_errors, human_bytes, sized_progress
+from .common import emit_json, handle_errors, human_bytes, say, sized_progress
 from .store_options import parse_storage_options, storage_options
 
 Counter = Callable[[int], None]
@@ -151,7 +151,7 @@ def command(
         from ..delta.parts import part_dir, try_assemble_last
 
         assert rank is not None
-        click.echo(f"{part_dir(out, rank)}: part {rank} of {world_size} written", err=True)
+        say(f"{part_dir(out, rank)}: part {rank} of {world_size} written", err=True)
         if not assemble:
             return
         manifest = try_assemble_last(out)
@@ -163,14 +163,14 @@ def command(
     if as_json:
         emit_json({**summary.to_json(), **({"push": pushed.to_json()} if pushed else {})})
         return
-    click.echo(
+    say(
         f"{summary.delta}: {summary.base_version} -> {summary.target_version}, "
         f"{summary.changed_elements}/{summary.total_elements} elements changed ({summary.change_rate:.3%}), "
         f"{human_bytes(summary.payload_bytes + summary.manifest_bytes)} "
         f"({summary.full_bytes / max(1, summary.payload_bytes + summary.manifest_bytes):.1f}x smaller than full)"
     )
     if pushed is not None and uploader is not None:
-        click.echo(
+        say(
             f"{push_url}: published {pushed.version} (base {pushed.base}); {uploader.uploaded_blocks} blocks "
             f"uploaded during the diff, {pushed.uploaded_blocks} after it"
         )

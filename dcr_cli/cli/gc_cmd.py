@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import emit_json, handle_errors, human_bytes
+from .common import emit_json, handle_errors, human_bytes, say
 from .store_options import parse_duration, parse_storage_options, storage_options
 
 
@@ -40,7 +40,7 @@ def command(url: str, keep: int, grace: str, dry_run: bool, storage_option: tupl
         emit_json(result.to_json())
         return
     verb = "would remove" if dry_run else "removed"
-    click.echo(
+    say(
         f"{url}: {verb} {result.removed_blocks} blocks ({human_bytes(result.removed_bytes)}) and "
         f"{result.removed_manifests} manifests; kept {result.kept_blocks} blocks for "
         f"{', '.join(result.live_versions) or 'no versions'}"

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from .common import emit_json, handle_errors, human_bytes, sized_progress
+from .common import emit_json, handle_errors, human_bytes, say, sized_progress
 from .store_options import parse_rate, parse_storage_options, storage_options
 
 
@@ -68,12 +68,12 @@ def command(
         emit_json(results[0].to_json() if since is None else {"versions": [r.to_json() for r in results]})
         return
     if not results:
-        click.echo(f"{url}: nothing to fetch; a receiver at {since} is up to date")
+        say(f"{url}: nothing to fetch; a receiver at {since} is up to date")
     for r in results:
         if r.already_present:
-            click.echo(f"{r.path}: already holds {r.version}")
+            say(f"{r.path}: already holds {r.version}")
         else:
-            click.echo(
+            say(
                 f"{r.path}: {r.version} (base {r.base}) verified; downloaded {r.downloaded_blocks} blocks "
                 f"({human_bytes(r.downloaded_bytes)}), reused {r.reused_blocks}"
             )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import emit_json, handle_errors, human_bytes, sized_progress
+from .common import emit_json, handle_errors, human_bytes, say, sized_progress
 from .store_options import parse_rate, parse_storage_options, storage_options
 
 
@@ -61,14 +61,14 @@ def command(
         emit_json(result.to_json())
     elif result.already_published:
         restored = f"; restored {result.uploaded_blocks} lost blocks" if result.uploaded_blocks else ""
-        click.echo(f"{url}: version {result.version} was already published with this delta{restored}")
+        say(f"{url}: version {result.version} was already published with this delta{restored}")
     else:
         refreshed = (
             f", {result.refreshed_blocks} of them written again so that gc keeps them"
             if result.refreshed_blocks
             else ""
         )
-        click.echo(
+        say(
             f"{url}: published {result.version} (base {result.base}): uploaded {result.uploaded_blocks} blocks "
             f"({human_bytes(result.uploaded_bytes)}), {result.present_blocks} already there{refreshed}"
         )

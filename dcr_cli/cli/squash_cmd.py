@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .common import emit_json, handle_errors, human_bytes
+from .common import emit_json, handle_errors, human_bytes, say
 
 if TYPE_CHECKING:
     import numpy as np
@@ -55,7 +55,7 @@ def command(
     if as_json:
         emit_json(summary.to_json())
         return
-    click.echo(
+    say(
         f"{summary.delta}: {summary.base_version} -> {summary.target_version}, "
         f"{summary.changed_elements} changed elements, {human_bytes(summary.payload_bytes)} payload"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import emit_json, handle_errors
+from .common import emit_json, handle_errors, say
 from .store_options import parse_storage_options, storage_options
 
 
@@ -22,11 +22,9 @@ def command(url: str, storage_option: tuple[str, ...], as_json: bool) -> None:
         emit_json(report)
         return
     head = report["head"]
-    click.echo(
-        f"head:      {head['version']} ({head['fingerprint'][:16]}…){'' if report['committed'] else ' (genesis)'}"
-    )
-    click.echo(f"diff base: {head['version']}  — the next dcr diff must start from this state")
+    say(f"head:      {head['version']} ({head['fingerprint'][:16]}…){'' if report['committed'] else ' (genesis)'}")
+    say(f"diff base: {head['version']}  — the next dcr diff must start from this state")
     for p in report["pending"]:
-        click.echo(f"pending:   {p['version']} acked by {', '.join(p['acked']) or 'nobody yet'}")
+        say(f"pending:   {p['version']} acked by {', '.join(p['acked']) or 'nobody yet'}")
     if report["latest_hint_stale"]:
-        click.echo(f"note: latest.json names {report['latest_hint']}, which is not the head (a harmless lag)")
+        say(f"note: latest.json names {report['latest_hint']}, which is not the head (a harmless lag)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import DcrError, VerifyFailed
-from .common import emit_json, handle_errors
+from .common import emit_json, handle_errors, say
 from .store_options import parse_storage_options, storage_options
 from .vllm_cmd import verify_vllm
 
@@ -55,6 +55,6 @@ def command(
     if as_json:
         emit_json(report.to_json())
     elif report.ok:
-        click.echo(report.summary())
+        say(report.summary())
     if not report.ok:
         raise VerifyFailed(report.summary())

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import click
-
-from .common import emit_json
+from .common import emit_json, say
 
 VLLM_OPTION_HELP = (
     'URL of a vLLM server started with the dcr plugin, --weight-transfer-config \'{"backend": "dcr"}\' '
@@ -22,7 +20,7 @@ def apply_vllm(
 ) -> None:
     from ..api import apply_vllm as run
 
-    result = run(deltas, url, ack=ack, receiver=receiver, storage_options=options, log=None if as_json else click.echo)
+    result = run(deltas, url, ack=ack, receiver=receiver, storage_options=options, log=None if as_json else say)
     if as_json:
         emit_json({"vllm": url, "steps": result["steps"]})
 
@@ -40,4 +38,4 @@ def verify_vllm(url: str, against: str | None, as_json: bool) -> None:
     if as_json:
         emit_json({"vllm": url, "ok": True, "tensors": answer["tensors"], "fingerprint": answer["fingerprint"]})
     else:
-        click.echo(f"ok: {answer['tensors']} tensors of the vLLM engine match ({answer['fingerprint'][:16]}…)")
+        say(f"ok: {answer['tensors']} tensors of the vLLM engine match ({answer['fingerprint'][:16]}…)")
