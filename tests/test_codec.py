@@ -145,3 +145,29 @@ def test_change_scan_matches_numpy_across_tiles_tails_and_growth(width: int, n: 
     assert positions.dtype == np.int64 and masks.dtype == uint and news.dtype == uint
     assert np.array_equal(positions, expected)
     assert np.array_equal(masks, base[expected] ^ new[expected]) and np.array_equal(news, new[expected])
+
+
+def test_positions_that_would_overflow_int64_are_refused_not_wrapped() -> None:
+    """Every gap escaped at the u32 maximum: the sum passes 2^63 for ~2^31 gaps; decoding saturates,
+    so the last position stays beyond the region and the bound check refuses it (review finding)."""
+    from dcr_cli.format.kernels import POSITION_CEILING, positions_from_gaps
+
+    count = 4
+    gaps = np.full(count, 255, dtype=np.uint8)
+    escaped = np.full(count, 0xFFFFFFFF, dtype="<u4")
+    planes = np.ascontiguousarray(escaped.view(np.uint8).reshape(count, 4).T).reshape(-1)
+    raw = np.concatenate([gaps, planes])
+    positions, escapes = positions_from_gaps(raw, count)
+    assert escapes == count
+    assert positions[0] == 255 + 0xFFFFFFFF
+    assert (np.diff(positions) >= 0).all() and positions[-1] <= POSITION_CEILING
+    # 2^31 such gaps would reach ~2^63; at 300 the unsaturated sum is already past the ceiling.
+    count = 300
+    raw = np.concatenate(
+        [
+            np.full(count, 255, dtype=np.uint8),
+            np.full(4 * count, 0xFF, dtype=np.uint8),
+        ]
+    )
+    positions, _ = positions_from_gaps(raw, count)
+    assert positions[-1] == POSITION_CEILING

@@ -164,6 +164,9 @@ def _escaped_gaps(positions, out):
 
 
 ESCAPE = 255
+# Above every region size (regions hold at most 2^31 elements): a decoded position that reaches it is
+# refused by the caller's bound check, and saturating there keeps 2^31 gaps of 2^32 from wrapping.
+POSITION_CEILING = 1 << 40
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -189,6 +192,8 @@ def _positions_from_gaps(raw, count, out):  # pragma: no cover - compiled
             )
             e += 1
         last += gap + 1
+        if last > POSITION_CEILING:  # already outside any region: saturate rather than overflow int64
+            last = POSITION_CEILING
         out[t] = last
     return escapes
 
