@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .._version import __version__
+from ..delta.prefetch import BlockFetcher, MissingBlock
 from ..delta.reader import STORE_MANIFESTS, Delta
 from ..delta.source import BlockSource
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
@@ -520,40 +521,36 @@ def _pull_record(
         if progress is not None:
             progress(sum(b.size for b in reused))
 
-        source = StoreBlockSource(store)
-
-        def download(block: BlockEntry) -> Callable[[], None]:
-            def run() -> None:
-                tmp = blocks_dir / f".{block.id}.part-{threading.get_ident()}"
-                try:
-                    with open(tmp, "wb") as f:
-                        for chunk in source.chunks(block):  # bounded by the declared size, digest streamed
-                            if limiter is not None:
-                                limiter.take(len(chunk))
-                            f.write(chunk)
-                            if progress is not None:
-                                progress(len(chunk))
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, blocks_dir / block.id)
-                except IntegrityError:
-                    raise IntegrityError(
-                        f"{store.url}: block {block.id[:16]}… of version {record.version!r} is corrupt on the "
-                        "store (wrong size or digest); nothing was written to the output — repair it with "
-                        "dcr push DELTA URL --verify-remote, then pull again"
-                    ) from None
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        tmp.unlink()
-
-            return run
-
+        for stray in blocks_dir.iterdir():
+            if stray.name.startswith("."):  # .part files of a killed pull
+                stray.unlink()
+        # One mechanism with apply-from-store (delta/prefetch.py): ranged reads on ``workers`` threads, a
+        # bounded window in flight, each block written straight to its temporary file and its digest
+        # computed as the bytes arrive; a block gets its name only once its size and digest are checked.
+        throttle = limiter.take if limiter is not None else None
+        block: BlockEntry | None = None
         try:
-            parallel((download(b) for b in missing), workers)
-        except FileNotFoundError as exc:
+            with BlockFetcher(
+                StoreBlockSource(store),
+                missing,
+                workers=workers,
+                spool=blocks_dir,
+                throttle=throttle,
+                progress=progress,
+            ) as fetcher:
+                for block in missing:
+                    fetcher.keep(block.id, blocks_dir / block.id)
+        except MissingBlock as exc:
             raise IntegrityError(
                 f"{store.url}: a block of version {record.version!r} is missing from the store ({exc}); "
                 "restore it with dcr push DELTA URL, then pull again"
+            ) from None
+        except IntegrityError:
+            which = f"block {block.id[:16]}…" if block is not None else "a block"
+            raise IntegrityError(
+                f"{store.url}: {which} of version {record.version!r} is corrupt on the store (wrong size or "
+                "digest); nothing was written to the output — repair it with dcr push DELTA URL --verify-remote, "
+                "then pull again"
             ) from None
         for stray in blocks_dir.iterdir():
             if stray.name not in {b.id for b in wanted}:  # includes .part files of a killed pull
