@@ -4,7 +4,10 @@ Push order is blocks -> manifest -> version record, so a version is visible
 only once everything it needs is on the store; the record is written
 create-only, which is what makes publication atomic. Pull verifies every byte
 against the manifest digests and only then renames the local directory into
-place, so a pulled delta is never half-valid. Both resume: what is already
+place, so a pulled delta is never half-valid. Pull downloads through the same
+fetcher as apply-from-store (delta/prefetch.py: parallel ranged reads, a bounded
+window in flight), spooling each block to a temporary file in the partial
+directory that gets the block's name once its size and digest are checked. Both resume: what is already
 complete (on the store, or in the pull's partial directory) is checked and
 kept, the rest is transferred.
 """
