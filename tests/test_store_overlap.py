@@ -304,3 +304,32 @@ def delta_files_equal(a: Path, b: Path) -> bool:
     from store_fixtures import delta_files
 
     return delta_files(a) == delta_files(b)
+
+
+def test_a_push_to_s3_streams_large_blocks_as_multipart_uploads(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """Blocks above one part go up as multipart uploads (a part or two in memory, not the block); a block
+    whose digest fails after its last chunk is aborted: no object, no upload left open, no version."""
+    from dcr_cli.store import Store, push
+    from dcr_cli.store.backends import S3_PART_BYTES
+
+    local = one_big_block_delta(tmp_path, 24)
+    (block,) = [b for b in Delta.open(local).manifest.blocks]
+    assert block.size > 2 * S3_PART_BYTES
+    path = Path(Delta.open(local).block_path(block))
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # every part but the digest looks fine
+    fs = s3_endpoint.filesystem()
+    bucket = s3_url.removeprefix("s3://").split("/")[0]
+    with pytest.raises(IntegrityError, match="corrupt; nothing corrupt was published"):
+        push(local, s3_url, storage_options=s3_endpoint.storage_options)
+    store = Store(s3_url, s3_endpoint.storage_options)
+    assert store.stat(f"blocks/{block.id}") is None and store.version("v1") is None
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")  # aborted, not left open
+
+    path.write_bytes(good)
+    result = push(local, s3_url, storage_options=s3_endpoint.storage_options)
+    assert result.uploaded_blocks == 1 and result.uploaded_bytes == block.size
+    assert fs.cat_file(f"{s3_url.removeprefix('s3://')}/blocks/{block.id}") == good
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")

@@ -30,12 +30,13 @@ from typing import Any, TypeVar
 from .._version import __version__
 from ..delta.prefetch import BlockFetcher, MissingBlock
 from ..delta.reader import STORE_MANIFESTS, Delta
-from ..delta.source import BlockSource
+from ..delta.source import CHUNK_BYTES, BlockSource
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
 from ..io.files import fsync_dir, write_atomic
 from ..io.reading import open_regular
+from .backends import S3_PART_BYTES
 from .repo import (
     BLOCKS,
     CHILDREN,
@@ -55,6 +56,7 @@ Progress = Callable[[int], None]  # called with bytes transferred
 Total = Callable[[int], None]  # called once, before the transfer, with the bytes it will count
 DEFAULT_WORKERS = 8
 PUSH_BUDGET_BYTES = 128 << 20  # block bytes a push to an object store holds in memory at once, over all workers
+STREAM_HOLD_BYTES = 32 << 20  # what one streamed upload counts against that budget (a chunk, parts, copies)
 # A present block older than this is written again by push (format_spec/store-v1.md §4.1 step 4). It
 # must stay well below dcr gc's grace period (1 h by default) minus the longest push.
 REFRESH_S = 15 * 60.0
@@ -233,10 +235,12 @@ def push(
     refreshed = [] if existing is not None else [b for b in kept if _written_before(found[b.id], now - REFRESH_S)]
     limiter = RateLimit(limit_rate) if limit_rate else None
     budget = ByteBudget(PUSH_BUDGET_BYTES)
+    # Streamed uploads read the delta in parts: memory holds a part being read, one buffered and one sent.
+    chunk_bytes = S3_PART_BYTES if store.capabilities.streamed_writes else CHUNK_BYTES
 
     def upload(block: BlockEntry) -> Callable[[], None]:
         def chunks() -> Iterator[bytes]:
-            for chunk in _local_block_chunks(source, block):
+            for chunk in _local_block_chunks(source, block, chunk_bytes):
                 if limiter is not None:
                     limiter.take(len(chunk))
                 yield chunk
@@ -244,6 +248,9 @@ def push(
         def run() -> None:
             if store.capabilities.local_files:  # streamed to a temporary file: one chunk in memory
                 store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
+            elif store.capabilities.streamed_writes:  # a multipart upload: a chunk and a part or two in memory
+                with budget.hold(min(block.size, STREAM_HOLD_BYTES)):
+                    store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
             else:
                 with budget.hold(block.size):  # one PUT of the whole block
                     store.put(f"{BLOCKS}/{block.id}", b"".join(chunks()))
@@ -315,12 +322,12 @@ def _corrupt_on_store(store: Store, blocks: list[BlockEntry], workers: int) -> l
     return [b for b, ok in zip(blocks, intact, strict=True) if not ok]
 
 
-def _local_block_chunks(source: Delta, block: BlockEntry) -> Iterator[bytes]:
+def _local_block_chunks(source: Delta, block: BlockEntry, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The block's bytes in bounded ranges. A wrong size or digest raises, at the latest when the chunk after
     the last is asked for: a consumer that writes them as they come publishes only once the iterator is
     exhausted (the local store renames its temporary file only then)."""
     try:
-        yield from source.source.chunks(block)  # bounded by the declared size, digest checked
+        yield from source.source.chunks(block, chunk_bytes)  # bounded by the declared size, digest checked
     except FileNotFoundError:
         raise IntegrityError(f"{source.label}: block {block.id[:16]}… is missing; the delta is incomplete") from None
     except IntegrityError:
