@@ -323,6 +323,9 @@ def test_corrupted_block_is_detected_at_pull(
     with pytest.raises(IntegrityError, match="corrupt on the store"):
         pull(s3_url, tmp_path / "out", storage_options=opts)
     assert not (tmp_path / "out").exists()
+    # The corrupt block's bytes were spooled to a temporary file: removed, and never given the block's name.
+    kept = {p.name for p in (tmp_path / ".out.partial" / "blocks").iterdir()}
+    assert block.id not in kept and not [n for n in kept if n.startswith(".")], kept
     assert check(s3_url, storage_options=opts).ok  # sizes are right: only reading the data shows it
     report = check(s3_url, read_data=True, storage_options=opts)
     assert not report.ok and block.id[:16] in report.problems[0]
@@ -339,6 +342,8 @@ def test_corrupted_block_is_detected_at_pull(
     # A lost block is restored by a plain re-push.
     fs.rm_file(path)
     assert check(s3_url, storage_options=opts).problems
+    with pytest.raises(IntegrityError, match="missing from the store"):
+        pull(s3_url, tmp_path / "out", storage_options=opts)
     assert push(d1, s3_url, storage_options=opts).uploaded_blocks == 1
     assert pull(s3_url, tmp_path / "out", storage_options=opts).version == "v1"
     assert Delta.open(tmp_path / "out").id == Delta.open(d1).id

@@ -221,3 +221,115 @@ def test_a_corrupt_block_streamed_to_a_store_is_never_published(
     assert s.version("v1") is None
     if store == "local":
         assert not [p for p in (tmp_path / "store" / "blocks").iterdir() if p.name.startswith(".tmp-")]
+
+
+def one_big_block_delta(tmp: Path, mib: int) -> Path:
+    """A delta v0 -> v1 whose payload is one data block of about ``mib`` MiB (every element changes)."""
+    import numpy as np
+    from store_fixtures import write_checkpoint
+
+    from dcr_cli.produce import diff
+
+    rng = np.random.default_rng(3)
+    n = (mib << 20) // 4 // 2
+    base = {f"w{i}": rng.standard_normal(n).astype(np.float32) for i in range(2)}
+    new = {k: rng.standard_normal(n).astype(np.float32) for k in base}
+    c0 = write_checkpoint(tmp / "one-c0", base)
+    c1 = write_checkpoint(tmp / "one-c1", new)
+    diff(c0, c1, tmp / "one", base_version="v0", target_version="v1", workers=1)
+    return tmp / "one"
+
+
+def test_pull_runs_at_the_link_rate_and_fetches_the_payload_once(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """Issue 12: pull goes through the fetcher (ranged reads in parallel), not one block over one connection.
+
+    Side by side over the same throttled link: the old mechanism (each block read in 16 MiB chunks, one
+    after the other, over one connection) and ``pull``. Pull must be within 1.3x of payload / rate, and
+    fetch every block's bytes exactly once (plus the response headers of its ranged GETs)."""
+    from store_fixtures import CountingProxy
+
+    from dcr_cli.delta.prefetch import RANGE_BYTES
+    from dcr_cli.delta.source import CHUNK_BYTES
+    from dcr_cli.store import Store, pull, push
+    from dcr_cli.store.repo import StoreBlockSource
+
+    local = one_big_block_delta(tmp_path, 24)
+    push(local, s3_url, storage_options=s3_endpoint.storage_options)
+    manifest = Delta.open(local).manifest
+    data = {b.id: b for b in manifest.blocks if b.role == "data"}
+    payload = sum(b.size for b in data.values())
+    assert len(data) == 1 and payload > 20 << 20
+    rate = payload / 3.0  # the floor: 3 s
+    throttle = Throttle(s3_endpoint.url, rate)
+    proxy = CountingProxy(throttle.url)
+    options = {**s3_endpoint.storage_options, "endpoint_url": proxy.url}
+    try:
+        # Before: one block over one connection, chunk after chunk (what pull did).
+        source = StoreBlockSource(Store(s3_url, options))
+        started = time.perf_counter()
+        with open(tmp_path / "old-block", "wb") as f:
+            for b in data.values():
+                for chunk in source.chunks(b):
+                    f.write(chunk)
+        before = time.perf_counter() - started
+        fetched_before = proxy.total_bytes()
+
+        started = time.perf_counter()
+        result = pull(s3_url, tmp_path / "pulled", version="v1", storage_options=options)
+        after = time.perf_counter() - started
+        fetched = proxy.total_bytes() - fetched_before
+    finally:
+        proxy.close()
+        throttle.close()
+    floor = payload / rate
+    print(
+        f"pull of {payload / 2**20:.1f} MiB at {rate / 2**20:.1f} MiB/s (floor {floor:.2f} s): "
+        f"before {before:.2f} s ({before / floor:.2f}x floor), after {after:.2f} s ({after / floor:.2f}x floor); "
+        f"{fetched} bytes fetched for the payload and records"
+    )
+    assert result.downloaded_bytes == payload and result.downloaded_blocks == 1
+    assert delta_files_equal(tmp_path / "pulled", local)
+    for block_id, b in data.items():
+        ranges, chunks = -(-b.size // RANGE_BYTES), -(-b.size // CHUNK_BYTES)
+        assert proxy.requests_for(f"/blocks/{block_id}") == chunks + ranges  # the old read's GETs, then pull's
+        got = proxy.bytes_for(f"/blocks/{block_id}") - b.size  # less the old read's bytes (and its headers)
+        assert b.size <= got < b.size + 2048 * (ranges + chunks)
+    assert after < 1.3 * floor, (after, floor)
+    assert after < before, (after, before)
+
+
+def delta_files_equal(a: Path, b: Path) -> bool:
+    from store_fixtures import delta_files
+
+    return delta_files(a) == delta_files(b)
+
+
+def test_a_push_to_s3_streams_large_blocks_as_multipart_uploads(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """Blocks above one part go up as multipart uploads (a part or two in memory, not the block); a block
+    whose digest fails after its last chunk is aborted: no object, no upload left open, no version."""
+    from dcr_cli.store import Store, push
+    from dcr_cli.store.backends import S3_PART_BYTES
+
+    local = one_big_block_delta(tmp_path, 24)
+    (block,) = [b for b in Delta.open(local).manifest.blocks]
+    assert block.size > 2 * S3_PART_BYTES
+    path = Path(Delta.open(local).block_path(block))
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # every part but the digest looks fine
+    fs = s3_endpoint.filesystem()
+    bucket = s3_url.removeprefix("s3://").split("/")[0]
+    with pytest.raises(IntegrityError, match="corrupt; nothing corrupt was published"):
+        push(local, s3_url, storage_options=s3_endpoint.storage_options)
+    store = Store(s3_url, s3_endpoint.storage_options)
+    assert store.stat(f"blocks/{block.id}") is None and store.version("v1") is None
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")  # aborted, not left open
+
+    path.write_bytes(good)
+    result = push(local, s3_url, storage_options=s3_endpoint.storage_options)
+    assert result.uploaded_blocks == 1 and result.uploaded_bytes == block.size
+    assert fs.cat_file(f"{s3_url.removeprefix('s3://')}/blocks/{block.id}") == good
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")

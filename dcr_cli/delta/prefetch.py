@@ -12,6 +12,10 @@ What a reader gets is unchecked bytes: the caller checks every section against i
 :meth:`wait_block`) has returned, which is when its size and digest have been checked. Receivers
 call it before their first write, so overlapping the download with the first pass moves no write
 before a check. Every block is read once, never more than its declared size plus one byte.
+
+``dcr pull`` uses the same fetcher with ``spool``: every block is written straight to a temporary
+file in that directory (memory holds only the ranges in flight), and :meth:`keep` renames a block's
+file to its final name once its size and digest have been checked.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import IntegrityError
@@ -36,6 +40,10 @@ WINDOW_BYTES = 32 << 20  # ranges being fetched at once (their bytes are in memo
 # kernel can write out): a receiver's memory does not grow with the delta.
 MEMORY_BYTES = 64 << 20
 WORKERS = 8
+
+
+class MissingBlock(IntegrityError):
+    """A block the manifest names is absent from the source."""
 
 
 @dataclass
@@ -65,8 +73,17 @@ class BlockFetcher:
         window: int = WINDOW_BYTES,
         range_bytes: int = RANGE_BYTES,
         memory: int = MEMORY_BYTES,
+        spool: str | os.PathLike[str] | None = None,
+        throttle: Callable[[int], None] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
+        """``spool``: write every block to ``<spool>/.<id>.part`` (kept by :meth:`keep`, else removed by
+        :meth:`close`); ``throttle`` is called with a range's size before it is read (a rate limit),
+        ``progress`` with the bytes of each range once it has arrived."""
         self.source = source
+        self._throttle = throttle
+        self._progress = progress
+        self._spool = os.fspath(spool) if spool is not None else None
         self._cond = threading.Condition()
         self._blocks: dict[str, _Block] = {}
         self._order: list[tuple[_Block, int]] = []  # (block, range index), in fetch order
@@ -83,7 +100,11 @@ class BlockFetcher:
             lo, hi = ranges[-1]
             ranges[-1] = (lo, hi + 1)  # one byte more: is the object longer than declared?
             block = _Block(entry, ranges)
-            if held + entry.size <= memory:
+            if self._spool is not None:
+                block.path = os.path.join(self._spool, f".{entry.id}.part")
+                flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+                block.fd = os.open(block.path, flags, 0o600)
+            elif held + entry.size <= memory:
                 block.data = bytearray(entry.size)
                 held += entry.size
             else:
@@ -92,9 +113,10 @@ class BlockFetcher:
                     weakref.finalize(self, shutil.rmtree, self._dir, True)
                 block.path = os.path.join(self._dir, entry.id)
                 block.fd = os.open(block.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                weakref.finalize(self, _close_quietly, block.fd)
             self._blocks[entry.id] = block
             self._order.extend((block, i) for i in range(len(ranges)))
+        # Descriptors still open when the fetcher is collected (keep() and close() set fd to -1 as they close).
+        weakref.finalize(self, _close_blocks, list(self._blocks.values()))
         # Daemon threads: a receiver that fails early exits without waiting for downloads it no longer needs.
         self._threads = [
             threading.Thread(target=self._work, name=f"dcr-fetch-{i}", daemon=True)
@@ -148,6 +170,8 @@ class BlockFetcher:
         lo, hi = block.ranges[index]
         last = index == len(block.ranges) - 1
         want = (hi - 1 if last else hi) - lo
+        if self._throttle is not None:
+            self._throttle(want)
         data = self.source.read(entry, lo, hi)
         if len(data) > want:
             raise IntegrityError(
@@ -158,7 +182,9 @@ class BlockFetcher:
         if block.data is not None:
             block.data[lo : lo + want] = data
         else:
-            os.pwrite(block.fd, data, lo)
+            _pwrite_all(block.fd, data, lo)
+        if self._progress is not None:
+            self._progress(want)
         with self._cond:
             block.arrived.add(index)
             start = block.contiguous
@@ -227,11 +253,59 @@ class BlockFetcher:
             self._cancelled = True
             self._cond.notify_all()
 
+    def keep(self, block_id: str, dest: str | os.PathLike[str]) -> None:
+        """Spooled fetchers: once the block is checked whole, make its file durable and rename it to ``dest``."""
+        assert self._spool is not None, "keep() needs a spool directory"
+        self.wait_block(block_id)
+        block = self._blocks[block_id]
+        assert block.path is not None
+        with self._cond:
+            fd, block.fd = block.fd, -1
+        if fd >= 0:  # every range has been written: no worker touches this descriptor any more
+            os.fsync(fd)
+            os.close(fd)
+        os.replace(block.path, dest)
+        block.path = None
+
+    def close(self) -> None:
+        """Cancel, wait for the ranges in flight, close the files; a spool's unkept block files are removed."""
+        self.cancel()
+        for t in self._threads:
+            t.join()
+        for block in self._blocks.values():
+            if block.fd >= 0:
+                _close_quietly(block.fd)
+                block.fd = -1
+            if self._spool is not None and block.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(block.path)
+                block.path = None
+
+    def __enter__(self) -> BlockFetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _as_integrity(exc: BaseException, entry: BlockEntry, label: str) -> BaseException:
     if isinstance(exc, FileNotFoundError):
-        return IntegrityError(f"block {entry.id[:16]}… is missing from {label}")
+        return MissingBlock(f"block {entry.id[:16]}… is missing from {label}")
     return exc
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _close_blocks(blocks: list[_Block]) -> None:
+    for block in blocks:
+        if block.fd >= 0:
+            _close_quietly(block.fd)
+            block.fd = -1
 
 
 def _close_quietly(fd: int) -> None:

@@ -60,15 +60,15 @@ class BlockSource:
         """Whether reading a block costs a transfer (then a verified block is worth keeping)."""
         return not self.local
 
-    def chunks(self, block: BlockEntry) -> Iterator[bytes]:
+    def chunks(self, block: BlockEntry, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """The whole block in ranges, checked against its declared size and its id as they arrive.
 
         Reads at most the declared size plus one byte. The block is valid only once the iterator is
         exhausted: it raises IntegrityError (or FileNotFoundError) instead of finishing otherwise.
         """
         digest = StreamingDigest()
-        for lo in range(0, max(block.size, 1), CHUNK_BYTES):
-            hi = min(lo + CHUNK_BYTES, block.size)
+        for lo in range(0, max(block.size, 1), chunk_bytes):
+            hi = min(lo + chunk_bytes, block.size)
             last = hi == block.size
             data = self.read(block, lo, hi + 1 if last else hi)  # one byte more: is the object longer?
             if len(data) > hi - lo:

@@ -11,7 +11,9 @@ Capabilities:
 * ``atomic_create``: how a create-only write is made atomic (None: it cannot be, and publishing
   needs ``--allow-unsafe-publish``);
 * ``listing_times``: listings carry modification times (``dcr gc`` ages unreferenced objects by them);
-* ``local_files``: objects are files of this machine (writes go through a temporary name and rename).
+* ``local_files``: objects are files of this machine (writes go through a temporary name and rename);
+* ``streamed_writes``: ``put_chunks`` sends an object in parts as its chunks come (memory holds a part
+  or two, not the object), and publishes nothing if the chunks fail.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..io.files import fsync_dir
 from ..io.reading import read_regular_file
 from ..io.retry import describe
 
+S3_PART_BYTES = 8 << 20  # one part of a multipart upload (S3's minimum is 5 MiB)
 TMP_PREFIX = ".tmp-"  # local stores: objects being written; never a valid name of anything else
 
 
@@ -40,6 +43,7 @@ class Capabilities:
     atomic_create: str | None
     listing_times: bool = True
     local_files: bool = False
+    streamed_writes: bool = False
 
 
 class Backend:
@@ -189,7 +193,7 @@ class S3Backend(Backend):
 
     protocols = ("s3", "s3a")
     package = "s3fs"
-    capabilities = Capabilities(atomic_create="if-none-match")
+    capabilities = Capabilities(atomic_create="if-none-match", streamed_writes=True)
     time_keys = ("LastModified", "mtime")
     _THROTTLING = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout"})
 
@@ -207,6 +211,22 @@ class S3Backend(Backend):
                 or cause.response.get("Error", {}).get("Code") == "PreconditionFailed"
             ):
                 raise FileExistsError(path) from exc
+            raise
+
+    def put_chunks(self, path: str, chunks: Iterable[bytes]) -> None:
+        """A multipart upload, one part per S3_PART_BYTES (one PUT if smaller): S3 shows the object only
+        once the upload is completed, after the last chunk; an error before that aborts the upload."""
+        f = self.fs.open(path, "wb", block_size=S3_PART_BYTES)
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk)
+                for lo in range(0, len(view), S3_PART_BYTES):  # the buffer never holds more than two parts
+                    f.write(view[lo : lo + S3_PART_BYTES])
+            f.close()  # completes the upload
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # aborts the multipart upload: nothing becomes visible
+            f.closed = True  # discarded: its finaliser must not try to complete it
             raise
 
     @classmethod

@@ -4,7 +4,10 @@ Push order is blocks -> manifest -> version record, so a version is visible
 only once everything it needs is on the store; the record is written
 create-only, which is what makes publication atomic. Pull verifies every byte
 against the manifest digests and only then renames the local directory into
-place, so a pulled delta is never half-valid. Both resume: what is already
+place, so a pulled delta is never half-valid. Pull downloads through the same
+fetcher as apply-from-store (delta/prefetch.py: parallel ranged reads, a bounded
+window in flight), spooling each block to a temporary file in the partial
+directory that gets the block's name once its size and digest are checked. Both resume: what is already
 complete (on the store, or in the pull's partial directory) is checked and
 kept, the rest is transferred.
 """
@@ -25,13 +28,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .._version import __version__
+from ..delta.prefetch import BlockFetcher, MissingBlock
 from ..delta.reader import STORE_MANIFESTS, Delta
-from ..delta.source import BlockSource
+from ..delta.source import CHUNK_BYTES, BlockSource
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
 from ..io.files import fsync_dir, write_atomic
 from ..io.reading import open_regular
+from .backends import S3_PART_BYTES
 from .repo import (
     BLOCKS,
     CHILDREN,
@@ -51,6 +56,7 @@ Progress = Callable[[int], None]  # called with bytes transferred
 Total = Callable[[int], None]  # called once, before the transfer, with the bytes it will count
 DEFAULT_WORKERS = 8
 PUSH_BUDGET_BYTES = 128 << 20  # block bytes a push to an object store holds in memory at once, over all workers
+STREAM_HOLD_BYTES = 32 << 20  # what one streamed upload counts against that budget (a chunk, parts, copies)
 # A present block older than this is written again by push (format_spec/store-v1.md §4.1 step 4). It
 # must stay well below dcr gc's grace period (1 h by default) minus the longest push.
 REFRESH_S = 15 * 60.0
@@ -229,10 +235,12 @@ def push(
     refreshed = [] if existing is not None else [b for b in kept if _written_before(found[b.id], now - REFRESH_S)]
     limiter = RateLimit(limit_rate) if limit_rate else None
     budget = ByteBudget(PUSH_BUDGET_BYTES)
+    # Streamed uploads read the delta in parts: memory holds a part being read, one buffered and one sent.
+    chunk_bytes = S3_PART_BYTES if store.capabilities.streamed_writes else CHUNK_BYTES
 
     def upload(block: BlockEntry) -> Callable[[], None]:
         def chunks() -> Iterator[bytes]:
-            for chunk in _local_block_chunks(source, block):
+            for chunk in _local_block_chunks(source, block, chunk_bytes):
                 if limiter is not None:
                     limiter.take(len(chunk))
                 yield chunk
@@ -240,6 +248,9 @@ def push(
         def run() -> None:
             if store.capabilities.local_files:  # streamed to a temporary file: one chunk in memory
                 store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
+            elif store.capabilities.streamed_writes:  # a multipart upload: a chunk and a part or two in memory
+                with budget.hold(min(block.size, STREAM_HOLD_BYTES)):
+                    store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
             else:
                 with budget.hold(block.size):  # one PUT of the whole block
                     store.put(f"{BLOCKS}/{block.id}", b"".join(chunks()))
@@ -311,12 +322,12 @@ def _corrupt_on_store(store: Store, blocks: list[BlockEntry], workers: int) -> l
     return [b for b, ok in zip(blocks, intact, strict=True) if not ok]
 
 
-def _local_block_chunks(source: Delta, block: BlockEntry) -> Iterator[bytes]:
+def _local_block_chunks(source: Delta, block: BlockEntry, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The block's bytes in bounded ranges. A wrong size or digest raises, at the latest when the chunk after
     the last is asked for: a consumer that writes them as they come publishes only once the iterator is
     exhausted (the local store renames its temporary file only then)."""
     try:
-        yield from source.source.chunks(block)  # bounded by the declared size, digest checked
+        yield from source.source.chunks(block, chunk_bytes)  # bounded by the declared size, digest checked
     except FileNotFoundError:
         raise IntegrityError(f"{source.label}: block {block.id[:16]}… is missing; the delta is incomplete") from None
     except IntegrityError:
@@ -520,40 +531,36 @@ def _pull_record(
         if progress is not None:
             progress(sum(b.size for b in reused))
 
-        source = StoreBlockSource(store)
-
-        def download(block: BlockEntry) -> Callable[[], None]:
-            def run() -> None:
-                tmp = blocks_dir / f".{block.id}.part-{threading.get_ident()}"
-                try:
-                    with open(tmp, "wb") as f:
-                        for chunk in source.chunks(block):  # bounded by the declared size, digest streamed
-                            if limiter is not None:
-                                limiter.take(len(chunk))
-                            f.write(chunk)
-                            if progress is not None:
-                                progress(len(chunk))
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, blocks_dir / block.id)
-                except IntegrityError:
-                    raise IntegrityError(
-                        f"{store.url}: block {block.id[:16]}… of version {record.version!r} is corrupt on the "
-                        "store (wrong size or digest); nothing was written to the output — repair it with "
-                        "dcr push DELTA URL --verify-remote, then pull again"
-                    ) from None
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        tmp.unlink()
-
-            return run
-
+        for stray in blocks_dir.iterdir():
+            if stray.name.startswith("."):  # .part files of a killed pull
+                stray.unlink()
+        # One mechanism with apply-from-store (delta/prefetch.py): ranged reads on ``workers`` threads, a
+        # bounded window in flight, each block written straight to its temporary file and its digest
+        # computed as the bytes arrive; a block gets its name only once its size and digest are checked.
+        throttle = limiter.take if limiter is not None else None
+        block: BlockEntry | None = None
         try:
-            parallel((download(b) for b in missing), workers)
-        except FileNotFoundError as exc:
+            with BlockFetcher(
+                StoreBlockSource(store),
+                missing,
+                workers=workers,
+                spool=blocks_dir,
+                throttle=throttle,
+                progress=progress,
+            ) as fetcher:
+                for block in missing:
+                    fetcher.keep(block.id, blocks_dir / block.id)
+        except MissingBlock as exc:
             raise IntegrityError(
                 f"{store.url}: a block of version {record.version!r} is missing from the store ({exc}); "
                 "restore it with dcr push DELTA URL, then pull again"
+            ) from None
+        except IntegrityError:
+            which = f"block {block.id[:16]}…" if block is not None else "a block"
+            raise IntegrityError(
+                f"{store.url}: {which} of version {record.version!r} is corrupt on the store (wrong size or "
+                "digest); nothing was written to the output — repair it with dcr push DELTA URL --verify-remote, "
+                "then pull again"
             ) from None
         for stray in blocks_dir.iterdir():
             if stray.name not in {b.id for b in wanted}:  # includes .part files of a killed pull
