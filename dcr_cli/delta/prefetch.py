@@ -21,6 +21,7 @@ file to its final name once its size and digest have been checked.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -51,8 +52,8 @@ class _Block:
     entry: BlockEntry
     ranges: list[tuple[int, int]]  # [lo, hi) of the block, hi of the last one is size + 1
     data: bytearray | None = None  # in memory, or
-    path: str | None = None  # in a temporary file
-    fd: int = -1
+    path: str | None = None  # in a temporary file, opened per range (a delta of thousands of blocks
+    # would otherwise hold a descriptor for each until the end)
     arrived: set[int] = field(default_factory=set)  # indexes of ranges written
     contiguous: int = 0  # bytes from the start that have arrived
     next_range: int = 0  # first range not yet folded into ``contiguous``
@@ -102,8 +103,7 @@ class BlockFetcher:
             block = _Block(entry, ranges)
             if self._spool is not None:
                 block.path = os.path.join(self._spool, f".{entry.id}.part")
-                flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-                block.fd = os.open(block.path, flags, 0o600)
+                _create(block.path, os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
             elif held + entry.size <= memory:
                 block.data = bytearray(entry.size)
                 held += entry.size
@@ -112,11 +112,9 @@ class BlockFetcher:
                     self._dir = tempfile.mkdtemp(prefix="dcr-fetch-")
                     weakref.finalize(self, shutil.rmtree, self._dir, True)
                 block.path = os.path.join(self._dir, entry.id)
-                block.fd = os.open(block.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                _create(block.path, os.O_EXCL)
             self._blocks[entry.id] = block
             self._order.extend((block, i) for i in range(len(ranges)))
-        # Descriptors still open when the fetcher is collected (keep() and close() set fd to -1 as they close).
-        weakref.finalize(self, _close_blocks, list(self._blocks.values()))
         # Daemon threads: a receiver that fails early exits without waiting for downloads it no longer needs.
         self._threads = [
             threading.Thread(target=self._work, name=f"dcr-fetch-{i}", daemon=True)
@@ -182,7 +180,8 @@ class BlockFetcher:
         if block.data is not None:
             block.data[lo : lo + want] = data
         else:
-            _pwrite_all(block.fd, data, lo)
+            assert block.path is not None
+            self._spooled(_write_at, block.path, data, lo)
         if self._progress is not None:
             self._progress(want)
         with self._cond:
@@ -204,11 +203,27 @@ class BlockFetcher:
                     block.done = True
             self._cond.notify_all()
 
+    def _spooled(self, write: Callable[[str, bytes, int], None], path: str, data: bytes, offset: int) -> None:
+        """A write to the spool; a full disk there names the spool, not the receiver's checkpoint."""
+        try:
+            write(path, data, offset)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = os.path.dirname(path)
+            hint = "" if self._spool is not None else " (TMPDIR chooses it)"
+            raise OSError(
+                exc.errno,
+                f"no space left for downloaded blocks in {where}{hint}; free space there or point TMPDIR "
+                "at a larger disk, then re-run the same command",
+            ) from None
+
     @staticmethod
     def _bytes(block: _Block, start: int, end: int) -> bytes | memoryview:
         if block.data is not None:
             return memoryview(block.data)[start:end]
-        return os.pread(block.fd, end - start, start)
+        assert block.path is not None
+        return _read_at(block.path, end - start, start)
 
     # -- readers ----------------------------------------------------------------------------------------------------
 
@@ -259,10 +274,10 @@ class BlockFetcher:
         self.wait_block(block_id)
         block = self._blocks[block_id]
         assert block.path is not None
-        with self._cond:
-            fd, block.fd = block.fd, -1
-        if fd >= 0:  # every range has been written: no worker touches this descriptor any more
+        fd = os.open(block.path, os.O_RDONLY)  # every range has been written: fsync covers the file's data
+        try:
             os.fsync(fd)
+        finally:
             os.close(fd)
         os.replace(block.path, dest)
         block.path = None
@@ -273,9 +288,6 @@ class BlockFetcher:
         for t in self._threads:
             t.join()
         for block in self._blocks.values():
-            if block.fd >= 0:
-                _close_quietly(block.fd)
-                block.fd = -1
             if self._spool is not None and block.path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(block.path)
@@ -294,20 +306,24 @@ def _as_integrity(exc: BaseException, entry: BlockEntry, label: str) -> BaseExce
     return exc
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+def _create(path: str, flags: int) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600))
 
 
-def _close_blocks(blocks: list[_Block]) -> None:
-    for block in blocks:
-        if block.fd >= 0:
-            _close_quietly(block.fd)
-            block.fd = -1
+def _write_at(path: str, data: bytes, offset: int) -> None:
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    finally:
+        os.close(fd)
 
 
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
+def _read_at(path: str, size: int, offset: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        return os.pread(fd, size, offset)
+    finally:
         os.close(fd)

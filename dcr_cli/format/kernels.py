@@ -193,7 +193,7 @@ def _positions_from_gaps(raw, count, out):  # pragma: no cover - compiled
             e += 1
         last += gap + 1
         if last > POSITION_CEILING:  # already outside any region: saturate rather than overflow int64
-            last = POSITION_CEILING
+            last = np.int64(POSITION_CEILING)
         out[t] = last
     return escapes
 

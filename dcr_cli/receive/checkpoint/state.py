@@ -112,7 +112,7 @@ def explain_enospc(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or "re-run the same dcr apply" in str(exc.strerror):
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or "re-run the same" in str(exc.strerror):
             raise
         raise OSError(exc.errno, f"{exc.strerror}; free space and re-run the same dcr apply", str(path)) from exc
 
