@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 import zstandard
 
@@ -90,6 +91,26 @@ def _from_planes(raw: np.ndarray, uint: np.dtype) -> np.ndarray:
 
 def compress(data: np.ndarray, level: int | None) -> bytes:
     return _compressor(level).compress(np.ascontiguousarray(data).view(np.uint8).data)
+
+
+# Up to this many values, byte planes are split by numpy's transpose copy: the compiled kernel's
+# dispatch costs more than the copy of a few thousand bytes (an MoE diff encodes 100k such sections).
+SMALL_PLANES = 1 << 12
+
+
+def _planes(values: np.ndarray) -> bytes | np.ndarray:
+    """``byte_planes(values)`` as a buffer, the cheapest way for the size (the same bytes either way)."""
+    width = values.dtype.itemsize
+    if width == 1:
+        return np.ascontiguousarray(values).view(np.uint8)
+    if len(values) <= SMALL_PLANES and values.dtype.isnative:
+        return np.ascontiguousarray(values).view(np.uint8).reshape(-1, width).T.tobytes()
+    return byte_planes(values)
+
+
+def digest_small(values: np.ndarray) -> str:
+    """``digest_bytes`` of a small array (one thread, no wrappers): the same digest."""
+    return blake3.blake3(np.ascontiguousarray(values).view(np.uint8)).hexdigest()
 
 
 def _check_single_frame(frame: bytes | memoryview, what: str) -> None:
@@ -166,7 +187,7 @@ def decode_positions(frame: bytes | memoryview, count: int, region_size: int, wh
 
 
 def encode_values(values: np.ndarray, level: int | None = DEFAULT_LEVEL) -> bytes:
-    return compress(byte_planes(values), level)
+    return _compressor(level).compress(_planes(values))
 
 
 def decode_values(frame: bytes | memoryview, count: int, dt: DType, what: str) -> np.ndarray:
@@ -239,20 +260,23 @@ def encode_changes(
     count = len(positions)
     if count == 0:
         return None
-    positions_frame = encode_positions(positions, level)
-    values_frame = encode_values(masks if op == "xor" else changed_new, level)
-    repair = encode_values(changed_new, level) if op == "xor" else None
+    cctx = _compressor(level)
+    positions_frame = cctx.compress(escaped_gaps(positions))
+    xor = op == "xor"
+    values_frame = cctx.compress(_planes(masks if xor else changed_new))
+    repair = cctx.compress(_planes(changed_new)) if xor else None
+    small = count <= SMALL_PLANES
     sparse = EncodedItem(
-        tensor=tensor,
-        region=region,
-        op=op,
-        count=count,
-        data=positions_frame + values_frame,
-        positions_length=len(positions_frame),
-        pre=digest_bytes(masks ^ changed_new),
-        post=digest_bytes(changed_new),
-        repair=repair,
-        residual=residual,
+        tensor,
+        region,
+        op,
+        count,
+        positions_frame + values_frame,
+        len(positions_frame),
+        (digest_small if small else digest_bytes)(masks ^ changed_new),
+        (digest_small if small else digest_bytes)(changed_new),
+        repair,
+        residual,
     )
     if count < DENSE_TRIAL_RATE * size:
         return sparse
