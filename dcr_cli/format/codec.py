@@ -98,19 +98,19 @@ def compress(data: np.ndarray, level: int | None) -> bytes:
 SMALL_PLANES = 1 << 12
 
 
-def _planes(values: np.ndarray) -> bytes | np.ndarray:
+def _planes(values: np.ndarray) -> bytes | memoryview:
     """``byte_planes(values)`` as a buffer, the cheapest way for the size (the same bytes either way)."""
     width = values.dtype.itemsize
     if width == 1:
-        return np.ascontiguousarray(values).view(np.uint8)
+        return np.ascontiguousarray(values).view(np.uint8).data
     if len(values) <= SMALL_PLANES and values.dtype.isnative:
         return np.ascontiguousarray(values).view(np.uint8).reshape(-1, width).T.tobytes()
-    return byte_planes(values)
+    return byte_planes(values).data
 
 
 def digest_small(values: np.ndarray) -> str:
     """``digest_bytes`` of a small array (one thread, no wrappers): the same digest."""
-    return blake3.blake3(np.ascontiguousarray(values).view(np.uint8)).hexdigest()
+    return blake3.blake3(np.ascontiguousarray(values).view(np.uint8).data).hexdigest()
 
 
 def _check_single_frame(frame: bytes | memoryview, what: str) -> None:
@@ -261,7 +261,7 @@ def encode_changes(
     if count == 0:
         return None
     cctx = _compressor(level)
-    positions_frame = cctx.compress(escaped_gaps(positions))
+    positions_frame = cctx.compress(escaped_gaps(positions).data)
     xor = op == "xor"
     values_frame = cctx.compress(_planes(masks if xor else changed_new))
     repair = cctx.compress(_planes(changed_new)) if xor else None
