@@ -7,7 +7,6 @@ something that looks like a delta.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -94,7 +93,9 @@ class DeltaWriter:
         os.chmod(self._tmp, 0o777 & ~umask)  # mkdtemp makes it private; a delta is ordinary data
         (self._tmp / BLOCKS_DIR).mkdir()
         self._lock = threading.Lock()
-        self._items: list[EncodedItem] = []
+        # An added item's fields (tensor, region, op, count, positions_length, pre, post, residual,
+        # changed): its section bytes live in the packers' blocks once added.
+        self._items: list[tuple[Any, ...]] = []
         self._sections: list[dict[str, Section]] = []
         self._blocks: list[BlockEntry] = []
         self._packers = {"data": _BlockPacker(self, "data"), "repair": _BlockPacker(self, "repair")}
@@ -121,7 +122,10 @@ class DeltaWriter:
                 self._packers["repair"].add(index, "repair", item.repair)
             # Keep the fields only: the section bytes now live in the packers' blocks, and holding
             # them until finish() would make the writer's memory grow with the delta.
-            self._items.append(dataclasses.replace(item, data=b"", repair=None))
+            self._items.append(
+                (item.tensor, item.region, item.op, item.count, item.positions_length, item.pre, item.post,
+                 item.residual, item.changed)
+            )  # fmt: skip
 
     def placed_items(self) -> list[Item]:
         """Flush pending blocks and return the items with their sections placed (call under the lock)."""
@@ -129,19 +133,21 @@ class DeltaWriter:
             packer.flush()
         return [
             Item(
-                tensor=e.tensor,
-                region=e.region,
-                op=e.op,
-                count=e.count,
+                tensor=tensor,
+                region=region,
+                op=op,
+                count=count,
                 data=s["data"],
-                positions_length=e.positions_length,
-                pre=e.pre,
-                post=e.post,
+                positions_length=positions_length,
+                pre=pre,
+                post=post,
                 repair=s.get("repair"),
-                residual=e.residual,
-                changed=e.changed,
+                residual=residual,
+                changed=changed,
             )
-            for e, s in zip(self._items, self._sections, strict=True)
+            for (tensor, region, op, count, positions_length, pre, post, residual, changed), s in zip(
+                self._items, self._sections, strict=True
+            )
         ]
 
     @property

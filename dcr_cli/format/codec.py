@@ -13,10 +13,12 @@ what lets zstd get close to the entropy of the change.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 import zstandard
 
@@ -33,6 +35,7 @@ DENSE_TRIAL_RATE = 0.25
 
 
 _CONTEXTS = threading.local()
+_LITTLE = sys.byteorder == "little"
 
 
 def _compressor(level: int | None) -> zstandard.ZstdCompressor:
@@ -85,11 +88,38 @@ def _to_planes(values: np.ndarray) -> np.ndarray:
 
 
 def _from_planes(raw: np.ndarray, uint: np.dtype) -> np.ndarray:
+    width = uint.itemsize
+    if width > 1 and len(raw) <= width * SMALL_PLANES and uint.isnative and _LITTLE:
+        # A transpose copy of a few KiB costs less than the compiled kernel's dispatch (the same values).
+        return raw.reshape(width, -1).T.copy().view(uint).reshape(-1)
     return merge_planes(raw, uint)
 
 
 def compress(data: np.ndarray, level: int | None) -> bytes:
     return _compressor(level).compress(np.ascontiguousarray(data).view(np.uint8).data)
+
+
+# Up to this many values, byte planes are split by numpy's transpose copy: the compiled kernel's
+# dispatch costs more than the copy of a few thousand bytes (an MoE diff encodes 100k such sections).
+SMALL_PLANES = 1 << 12
+
+
+def _planes(values: np.ndarray) -> bytes | memoryview:
+    """``byte_planes(values)`` as a buffer, the cheapest way for the size (the same bytes either way)."""
+    width = values.dtype.itemsize
+    if width == 1:
+        return np.ascontiguousarray(values).view(np.uint8).data
+    if len(values) <= SMALL_PLANES and values.dtype.isnative:
+        return np.ascontiguousarray(values).view(np.uint8).reshape(-1, width).T.tobytes()
+    return byte_planes(values).data
+
+
+def digest_small(values: np.ndarray) -> str:
+    """``digest_bytes`` of a small array (one thread, no wrappers): the same digest."""
+    return blake3.blake3(np.ascontiguousarray(values).view(np.uint8).data).hexdigest()
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def _check_single_frame(frame: bytes | memoryview, what: str) -> None:
@@ -100,28 +130,31 @@ def _check_single_frame(frame: bytes | memoryview, what: str) -> None:
     (RFC 8878 §3.1.1.2): a few bytes per 128 KiB block.
     """
     view = memoryview(frame).cast("B")
+    end = len(view)
     try:
-        params = zstandard.get_frame_parameters(view)
         pos = zstandard.frame_header_size(view)
     except zstandard.ZstdError:
         raise IntegrityError(f"{what}: not a zstd frame") from None
-    if not params.has_checksum:
+    # The magic, then the frame header descriptor: bit 2 is the Content_Checksum_flag (RFC 8878 §3.1.1.1.1).
+    if end < 5 or view[:4] != _ZSTD_MAGIC:
+        raise IntegrityError(f"{what}: not a zstd frame")
+    if not view[4] & 0x04:
         raise IntegrityError(f"{what}: zstd frame carries no content checksum")
     while True:
-        if pos + 3 > len(view):
+        if pos + 3 > end:
             raise IntegrityError(f"{what}: zstd frame is truncated")
-        header = int.from_bytes(view[pos : pos + 3], "little")
-        kind, size = (header >> 1) & 3, header >> 3
+        header = view[pos] | view[pos + 1] << 8 | view[pos + 2] << 16
+        kind = (header >> 1) & 3
         if kind == 3:
             raise IntegrityError(f"{what}: corrupt zstd frame (reserved block type)")
-        pos += 3 + (1 if kind == 1 else size)  # an RLE block stores its one byte
+        pos += 4 if kind == 1 else 3 + (header >> 3)  # an RLE block stores its one byte
         if header & 1:  # last block
             break
     pos += 4  # content checksum
-    if pos > len(view):
+    if pos > end:
         raise IntegrityError(f"{what}: zstd frame is truncated")
-    if pos < len(view):
-        raise IntegrityError(f"{what}: {len(view) - pos} bytes follow the zstd frame; a section holds exactly one")
+    if pos < end:
+        raise IntegrityError(f"{what}: {end - pos} bytes follow the zstd frame; a section holds exactly one")
 
 
 def decompress_bounded(frame: bytes | memoryview, least: int, most: int, what: str) -> np.ndarray:
@@ -166,7 +199,7 @@ def decode_positions(frame: bytes | memoryview, count: int, region_size: int, wh
 
 
 def encode_values(values: np.ndarray, level: int | None = DEFAULT_LEVEL) -> bytes:
-    return compress(byte_planes(values), level)
+    return _compressor(level).compress(_planes(values))
 
 
 def decode_values(frame: bytes | memoryview, count: int, dt: DType, what: str) -> np.ndarray:
@@ -239,20 +272,23 @@ def encode_changes(
     count = len(positions)
     if count == 0:
         return None
-    positions_frame = encode_positions(positions, level)
-    values_frame = encode_values(masks if op == "xor" else changed_new, level)
-    repair = encode_values(changed_new, level) if op == "xor" else None
+    cctx = _compressor(level)
+    positions_frame = cctx.compress(escaped_gaps(positions).data)
+    xor = op == "xor"
+    values_frame = cctx.compress(_planes(masks if xor else changed_new))
+    repair = cctx.compress(_planes(changed_new)) if xor else None
+    small = count <= SMALL_PLANES
     sparse = EncodedItem(
-        tensor=tensor,
-        region=region,
-        op=op,
-        count=count,
-        data=positions_frame + values_frame,
-        positions_length=len(positions_frame),
-        pre=digest_bytes(masks ^ changed_new),
-        post=digest_bytes(changed_new),
-        repair=repair,
-        residual=residual,
+        tensor,
+        region,
+        op,
+        count,
+        positions_frame + values_frame,
+        len(positions_frame),
+        (digest_small if small else digest_bytes)(masks ^ changed_new),
+        (digest_small if small else digest_bytes)(changed_new),
+        repair,
+        residual,
     )
     if count < DENSE_TRIAL_RATE * size:
         return sparse

@@ -25,7 +25,7 @@ from ..checkpoints.shards import BAND_BYTES, RESIDUAL_BAND_BYTES, Chunk, ShardCh
 from ..delta.summary import DiffSummary, summarize
 from ..delta.writer import DeltaWriter
 from ..errors import IncompatibleError
-from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, encode_changes
+from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, digest_small, encode_changes
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.dtypes import numel
 from ..format.kernels import scan_changes
@@ -322,9 +322,9 @@ def execute(
         b, n = base.flat(name, u.start, u.stop), new.flat(name, u.start, u.stop)
         item = scan(name, Region.range(u.start, u.stop), b, n, u.op, None)
         if name not in b_digests:
-            b_digests[name] = digest_bytes(b)
+            b_digests[name] = digest_small(b)  # a small tensor: digest_bytes without its wrappers
         if name not in n_digests:
-            n_digests[name] = digest_bytes(n)
+            n_digests[name] = digest_small(n)
         if progress:
             progress((u.stop - u.start) * u.itemsize)
         if item is not None:

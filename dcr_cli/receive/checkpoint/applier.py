@@ -36,7 +36,7 @@ from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.gc_pause import fewer_collections
 from ...io.pool import Inline, default_workers, ordered_parallel
 from .. import plan as receiver_plan
-from .inplace import InPlaceFiles, Run, digest_tensors, runs_of
+from .inplace import SMALL_DIGEST_BYTES, InPlaceFiles, Run, digest_small, digest_tensors, runs_of
 from .state import (
     HISTORY_LENGTH,
     ReceiverState,
@@ -204,8 +204,11 @@ def prepare_item(delta: Delta, item: Item, files: InPlaceFiles, resuming: bool) 
         segment = local // receiver_plan.contiguous_run(item.region, loc.shape)
         runs = runs_of(index, segment, decoded.values.dtype.itemsize)
     current = files.gather(item.tensor, index, runs)
-    where = f"{files.locations[item.tensor].file.parent}"
-    kind = receiver_plan.classify(digest_bytes(current), item, resuming, where)
+    current_digest = digest_small(current) if current.nbytes <= SMALL_DIGEST_BYTES else digest_bytes(current)
+    if current_digest == item.pre:  # the common case, decided as classify decides it
+        kind: receiver_plan.Kind = "pending"
+    else:
+        kind = receiver_plan.classify(current_digest, item, resuming, f"{loc.file.parent}")
     if kind == "done":
         return Prepared(kind, item.count)
     new = receiver_plan.new_values(item, kind, current, decoded.values, lambda: _repair(delta, item))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
 import numpy as np
 
 from ...checkpoints.safetensors_dir import TensorLocation
@@ -44,6 +45,16 @@ def _scratch(nbytes: int) -> np.ndarray:
     if buf is None or buf.size < nbytes:
         buf = _SCRATCH.buf = np.empty(max(nbytes, READ_CHUNK), dtype=np.uint8)
     return buf
+
+
+# Up to this many bytes, a digest is one single-threaded BLAKE3 call (digest_bytes' own threshold
+# for its thread pool is larger): the same digest, without the wrapper's conversions.
+SMALL_DIGEST_BYTES = 1 << 20
+
+
+def digest_small(values: np.ndarray) -> str:
+    """``digest_bytes`` of an array of at most SMALL_DIGEST_BYTES (the same digest, fewer calls)."""
+    return blake3.blake3(np.ascontiguousarray(values).view(np.uint8).data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -103,8 +114,18 @@ class InPlaceFiles:
         self._fds: dict[Path, int] = {}
         self._written: set[Path] = set()
         self._lock = threading.Lock()
+        self._uints: dict[str, np.dtype] = {}  # tensor name -> its unsigned integer dtype (hot-loop lookup)
+
+    def _uint(self, name: str) -> np.dtype:
+        uint = self._uints.get(name)
+        if uint is None:
+            uint = self._uints[name] = lookup_dtype(self.locations[name].dtype).uint
+        return uint
 
     def _fd(self, file: Path) -> int:
+        fd = self._fds.get(file)  # opened already: no lock (a dict read is atomic)
+        if fd is not None:
+            return fd
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
@@ -120,7 +141,7 @@ class InPlaceFiles:
         """Elements [start, stop) of a tensor, as its unsigned integers: a fresh array, or with
         ``scratch`` a view of this thread's read buffer (valid until its next scratch read)."""
         loc = self.locations[name]
-        uint = lookup_dtype(loc.dtype).uint
+        uint = self._uint(name)
         count = max(0, stop - start)
         out = _scratch(count * uint.itemsize)[: count * uint.itemsize].view(uint) if scratch else np.empty(count, uint)
         if out.size:
@@ -131,8 +152,7 @@ class InPlaceFiles:
         """Current values at ``index`` (sorted canonical indices, or a contiguous slice)."""
         if isinstance(index, slice):
             return self.read(name, index.start, index.stop)
-        uint = lookup_dtype(self.locations[name].dtype).uint
-        out = np.empty(index.size, dtype=uint)
+        out = np.empty(index.size, dtype=self._uint(name))
         for run in runs:
             span = self.read(name, run.first, run.last + 1, scratch=True)
             out[run.lo : run.hi] = span if run.dense else span[index[run.lo : run.hi] - run.first]
@@ -141,11 +161,12 @@ class InPlaceFiles:
     def scatter(self, name: str, index: np.ndarray | slice, runs: list[Run], values: np.ndarray) -> None:
         """Write ``values`` at ``index``; each run is rewritten whole (it lies inside the item's region)."""
         loc = self.locations[name]
-        uint = lookup_dtype(loc.dtype).uint
+        uint = self._uint(name)
         values = np.ascontiguousarray(values, dtype=uint)
         fd = self._fd(loc.file)
-        with self._lock:
-            self._written.add(loc.file)
+        if loc.file not in self._written:
+            with self._lock:
+                self._written.add(loc.file)
         if isinstance(index, slice):
             if values.size:
                 _write_values(fd, loc.start + index.start * uint.itemsize, _bytes(values))
@@ -161,6 +182,8 @@ class InPlaceFiles:
     def digest(self, name: str) -> str:
         """BLAKE3 of a tensor's stored bytes, read in bounded chunks."""
         loc = self.locations[name]
+        if loc.nbytes <= READ_CHUNK:  # one read, one single-threaded hash: the same digest, fewer calls
+            return digest_small(self.read(name, 0, loc.numel, scratch=True))
         itemsize = lookup_dtype(loc.dtype).itemsize
         step = max(1, READ_CHUNK // itemsize)
         digest = StreamingDigest()
