@@ -12,6 +12,7 @@ only its forward uses it; the writer gives it an empty stand-in module, so megat
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from pathlib import Path
@@ -25,6 +26,10 @@ LAYOUTS: dict[str, dict[str, int | bool]] = {
     "ep2-grouped": dict(tp=1, ep=2, etp=1, grouped=True),  # legacy GroupedMLP
     "tp2-etp2": dict(tp=2, ep=1, etp=2, grouped=False),  # expert tensor parallel
     "tp2-ep2": dict(tp=2, ep=2, etp=1, grouped=False),  # attention TP, experts EP over the same 2 ranks
+    # megatron-core's singleton_local_shards layout: per-layer keys, SwiGLU fc1 as _w/_v, a key per expert
+    "ep2-sequential-singleton": dict(tp=1, ep=2, etp=1, grouped=False, singleton=True),
+    "ep2-grouped-singleton": dict(tp=1, ep=2, etp=1, grouped=True, singleton=True),
+    "tp2-etp2-singleton": dict(tp=2, ep=1, etp=2, grouped=False, singleton=True),  # _w/_v halves split by TP
 }
 
 
@@ -91,13 +96,45 @@ def _worker(rank: int, world: int, out: str, cfg: dict, layout: dict) -> None:
                         ints = flat.view(torch.int16)
                         ints[3], ints[4] = 0x7FC3, -0x8000
         Path(f"{out}/{tag}/torch_dist").mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(model.sharded_state_dict(), f"{out}/{tag}/torch_dist")
+        # as megatron's own save path does: the same metadata to the model and as the checkpoint's content_metadata
+        metadata = {"singleton_local_shards": True} if layout.get("singleton") else None
+        dist_checkpointing.save(
+            model.sharded_state_dict(metadata=metadata), f"{out}/{tag}/torch_dist", content_metadata=metadata
+        )
         dist.barrier()
 
 
 def write_megatron_moe(out: str | Path, cfg: dict, layout: str) -> Path:
     out = Path(out)
     spawn_ranks(_worker, 2, str(out), cfg, LAYOUTS[layout])
+    return out
+
+
+def restack_singleton(full: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """A singleton_local_shards checkpoint's tensors in the default layout's keys, by plain torch (not dcr):
+    per-layer keys stacked on a layer axis, ``_w``/``_v`` concatenated, per-expert keys stacked on an expert axis."""
+    out = {k: v for k, v in full.items() if not k.startswith("decoder.layers.")}
+    per_layer: dict[str, dict[int, torch.Tensor]] = {}
+    for k, v in full.items():
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", k)
+        if m:
+            per_layer.setdefault(m.group(2), {})[int(m.group(1))] = v
+    for name in [n for n in per_layer if n.endswith("_v")]:
+        w = per_layer.pop(name[:-2] + "_w")
+        v = per_layer.pop(name)
+        per_layer[name[:-2]] = {i: torch.cat([w[i], v[i]]) for i in w}
+    experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+    for name in list(per_layer):
+        m = re.fullmatch(r"mlp\.experts\.experts\.(\d+)\.(.+)", name)
+        if m:
+            experts.setdefault(m.group(2), {})[int(m.group(1))] = per_layer.pop(name)
+    for name, by_expert in experts.items():
+        E = cfg["num_experts"]
+        per_layer[f"mlp.experts.experts.{name}"] = {
+            i: torch.stack([by_expert[e][i] for e in range(E)]) for i in by_expert[0]
+        }
+    for name, by_layer in per_layer.items():
+        out[f"decoder.layers.{name}"] = torch.stack([by_layer[i] for i in range(cfg["num_hidden_layers"])])
     return out
 
 

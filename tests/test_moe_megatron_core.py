@@ -17,7 +17,7 @@ import pytest
 from conftest import require_or_skip
 from safetensors.torch import save_file
 from shard_oracle import assert_oracle
-from shard_writers import full_tensors_from_dcp, megatron_to_hf
+from shard_writers import REAL_MEGATRON_KEYS, full_tensors_from_dcp, megatron_to_hf
 
 from dcr_cli.delta.inspect import inspect
 from dcr_cli.delta.parts import assemble
@@ -26,11 +26,12 @@ from dcr_cli.produce import diff
 
 require_or_skip("megatron.core.dist_checkpointing")
 
-from moe_megatron_writers import LAYOUTS, chunk_boxes, write_megatron_moe
+from moe_megatron_writers import LAYOUTS, chunk_boxes, restack_singleton, write_megatron_moe
 from test_shards_megatron import COMMON
 
 MOE = {**COMMON, "tie_word_embeddings": False, "num_experts": 4, "moe_intermediate_size": 8,
        "megatron": {"padded_vocab_size": 64}}  # fmt: skip
+PRE_MLP = "decoder.layers.pre_mlp_layernorm.weight"  # the local MoE spec's pre-MLP norm, as megatron_to_hf reads it
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"  # [L, E, 2F, H], SequentialMLP's and GroupedMLP's key
 
 
@@ -39,6 +40,9 @@ def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     root = write_megatron_moe(tmp_path_factory.mktemp(request.param), MOE, request.param)
     for tag in ("base", "target"):
         full = full_tensors_from_dcp(root / tag / "torch_dist", root, moe=True)
+        if LAYOUTS[request.param].get("singleton"):
+            keys = {**REAL_MEGATRON_KEYS, "decoder.layers.mlp.linear_fc1.layer_norm_weight": PRE_MLP}
+            full = {keys.get(k, k): v for k, v in restack_singleton(full, MOE).items()}
         (root / tag / "hf").mkdir()
         save_file(megatron_to_hf(full, MOE), str(root / tag / "hf" / "model.safetensors"))
     return request.param, root
@@ -47,8 +51,26 @@ def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_the_layout_is_the_one_named(written: tuple[str, Path]) -> None:
     # The chunks megatron-core wrote for the expert fc1 tensor show the parallel layout.
     layout, root = written
-    boxes = chunk_boxes(root / "base" / "torch_dist", FC1)
     L, E, F, H = MOE["num_hidden_layers"], MOE["num_experts"], MOE["moe_intermediate_size"], MOE["hidden_size"]
+    if LAYOUTS[layout].get("singleton"):
+        # a key per layer and expert, SwiGLU fc1 as _w (gate) and _v (up) [F, H], each split by expert TP
+        from torch.distributed.checkpoint import FileSystemReader
+
+        stored = FileSystemReader(str(root / "base" / "torch_dist")).read_metadata().state_dict_metadata
+        assert FC1 not in stored and "decoder.layers.self_attention.linear_qkv.weight" not in stored
+        rows = F // 2 if LAYOUTS[layout]["etp"] == 2 else F
+        for layer in range(L):
+            assert f"decoder.layers.{layer}.self_attention.linear_qkv.weight" in stored
+            for e in range(E):
+                fc1 = f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc1.weight"
+                for half in (fc1 + "_w", fc1 + "_v"):
+                    assert chunk_boxes(root / "base" / "torch_dist", half) == [
+                        ((r, 0), (rows, H)) for r in range(0, F, rows)
+                    ]
+                assert fc1 not in stored
+                assert f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc2.weight" in stored
+        return
+    boxes = chunk_boxes(root / "base" / "torch_dist", FC1)
     assert {off[0] for off, _ in boxes} == set(range(L))
     # SequentialMLP saves each expert as its own chunk, GroupedMLP a rank's experts as one.
     per_chunk = 2 if LAYOUTS[layout]["grouped"] else 1
