@@ -144,3 +144,30 @@ def chunk_boxes(path: str | Path, key: str) -> list[tuple[tuple[int, ...], tuple
 
     meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata[key]
     return sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)  # type: ignore[union-attr]
+
+
+TE_EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(\d+)\.(linear_fc[12])\.weight(_[wv])?")
+
+
+def write_te_grouped_spelling(src: str | Path, dst: str | Path, scratch: str | Path) -> Path:
+    """A hand-made copy of a singleton_local_shards checkpoint with its experts under Transformer Engine
+    GroupedLinear's own spelling, ``decoder.layers.<L>.mlp.experts.linear_fc1.weight<E>`` (E global, the
+    SwiGLU fc1 joint [gate; up] as GroupedLinear holds it), saved by torch.distributed.checkpoint
+    (Transformer Engine does not run on a CPU-only torch, so TEGroupedMLP itself cannot write it here)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    file = Path(scratch) / "te.pt"
+    dcp_to_torch_save(str(src), str(file))
+    full = {k: v for k, v in torch.load(file, weights_only=False).items() if isinstance(v, torch.Tensor)}
+    file.unlink()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in full.items():
+        m = TE_EXPERT.fullmatch(k)
+        if m is None:
+            out[k] = v
+        elif m.group(4) != "_v":
+            name = f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"
+            out[name] = torch.cat([v, full[k[:-2] + "_v"]]) if m.group(4) == "_w" else v
+    dcp.save(out, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
+    return Path(dst)

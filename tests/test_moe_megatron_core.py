@@ -26,7 +26,13 @@ from dcr_cli.produce import diff
 
 require_or_skip("megatron.core.dist_checkpointing")
 
-from moe_megatron_writers import LAYOUTS, chunk_boxes, restack_singleton, write_megatron_moe
+from moe_megatron_writers import (
+    LAYOUTS,
+    chunk_boxes,
+    restack_singleton,
+    write_megatron_moe,
+    write_te_grouped_spelling,
+)
 from test_shards_megatron import COMMON
 
 MOE = {**COMMON, "tie_word_embeddings": False, "num_experts": 4, "moe_intermediate_size": 8,
@@ -115,4 +121,33 @@ def test_rank_producers_on_an_moe_checkpoint_assemble_the_same_delta(
         diff(base, new, parted, profile=copy.deepcopy(MOE), rank=rank, world_size=world_size)
     assemble(parted)
     assert Delta.open(parted).manifest.tensors == Delta.open(whole).manifest.tensors
+    assert_oracle(parted, root / "base" / "hf", root / "target" / "hf")
+
+
+def test_transformer_engine_grouped_expert_spelling_is_exact(written: tuple[str, Path], tmp_path: Path) -> None:
+    """TEGroupedMLP writes the same storage keys as SequentialMLP (megatron-core 0.16: "interchangeable"), so
+    the singleton layouts above cover it; TE GroupedLinear's own ``experts.linear_fc1.weight<E>`` spelling is
+    a hand-made copy of the same tensors (TE does not run on CPU), fc1 joint [gate; up]."""
+    layout, root = written
+    if layout != "ep2-sequential-singleton":
+        pytest.skip("one singleton checkpoint is enough to respell")
+    te = {
+        tag: write_te_grouped_spelling(root / tag / "torch_dist", tmp_path / tag, tmp_path)
+        for tag in ("base", "target")
+    }
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(te["base"])).read_metadata().state_dict_metadata
+    fc1 = stored["decoder.layers.1.mlp.experts.linear_fc1.weight3"]
+    assert tuple(fc1.size) == (2 * MOE["moe_intermediate_size"], MOE["hidden_size"])  # type: ignore[union-attr]
+    assert not any(".experts.experts." in k for k in stored)
+    out = tmp_path / "d"
+    summary = diff(te["base"], te["target"], out, profile=copy.deepcopy(MOE))
+    assert summary is not None and summary.changed_elements > 0
+    assert_oracle(out, root / "base" / "hf", root / "target" / "hf")
+    parted = tmp_path / "p"
+    for rank in range(2):
+        diff(te["base"], te["target"], parted, profile=copy.deepcopy(MOE), rank=rank, world_size=2)
+    assemble(parted)
+    assert Delta.open(parted).manifest.tensors == Delta.open(out).manifest.tensors
     assert_oracle(parted, root / "base" / "hf", root / "target" / "hf")
