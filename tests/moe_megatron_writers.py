@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, out: str, cfg: dict, layout: dict) -> None:
     # megatron-core's torch_dist saver synchronizes CUDA and reduces a flag on the current CUDA
     # device; with a CPU-only torch these two calls are pointed at the CPU (as shard_writers does).
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     if layout["grouped"] and "grouped_gemm" not in sys.modules:
         stand_in = types.ModuleType("grouped_gemm")
         stand_in.ops = types.SimpleNamespace()  # type: ignore[attr-defined]
@@ -120,9 +120,8 @@ def restack_singleton(full: dict[str, torch.Tensor], cfg: dict) -> dict[str, tor
         if m:
             per_layer.setdefault(m.group(2), {})[int(m.group(1))] = v
     for name in [n for n in per_layer if n.endswith("_v")]:
-        w = per_layer.pop(name[:-2] + "_w")
-        v = per_layer.pop(name)
-        per_layer[name[:-2]] = {i: torch.cat([w[i], v[i]]) for i in w}
+        gate, up = per_layer.pop(name[:-2] + "_w"), per_layer.pop(name)
+        per_layer[name[:-2]] = {i: torch.cat([gate[i], up[i]]) for i in gate}
     experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
     for name in list(per_layer):
         m = re.fullmatch(r"mlp\.experts\.experts\.(\d+)\.(.+)", name)

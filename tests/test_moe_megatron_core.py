@@ -57,7 +57,7 @@ def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_the_layout_is_the_one_named(written: tuple[str, Path]) -> None:
     # The chunks megatron-core wrote for the expert fc1 tensor show the parallel layout.
     layout, root = written
-    L, E, F, H = MOE["num_hidden_layers"], MOE["num_experts"], MOE["moe_intermediate_size"], MOE["hidden_size"]
+    L, E, F, H = (int(MOE[k]) for k in ("num_hidden_layers", "num_experts", "moe_intermediate_size", "hidden_size"))  # type: ignore[call-overload]
     if LAYOUTS[layout].get("singleton"):
         # a key per layer and expert, SwiGLU fc1 as _w (gate) and _v (up) [F, H], each split by expert TP
         from torch.distributed.checkpoint import FileSystemReader
@@ -139,7 +139,7 @@ def test_transformer_engine_grouped_expert_spelling_is_exact(written: tuple[str,
 
     stored = FileSystemReader(str(te["base"])).read_metadata().state_dict_metadata
     fc1 = stored["decoder.layers.1.mlp.experts.linear_fc1.weight3"]
-    assert tuple(fc1.size) == (2 * MOE["moe_intermediate_size"], MOE["hidden_size"])  # type: ignore[union-attr]
+    assert tuple(fc1.size) == (2 * int(MOE["moe_intermediate_size"]), MOE["hidden_size"])  # type: ignore[call-overload,union-attr]
     assert not any(".experts.experts." in k for k in stored)
     out = tmp_path / "d"
     summary = diff(te["base"], te["target"], out, profile=copy.deepcopy(MOE))
