@@ -151,3 +151,34 @@ def test_transformer_engine_grouped_expert_spelling_is_exact(written: tuple[str,
     assemble(parted)
     assert Delta.open(parted).manifest.tensors == Delta.open(out).manifest.tensors
     assert_oracle(parted, root / "base" / "hf", root / "target" / "hf")
+
+
+def test_cli_diff_of_a_singleton_checkpoint_with_profile_config_json(written: tuple[str, Path], tmp_path: Path) -> None:
+    """``dcr diff --profile config.json`` (and ``--rank/--world-size``) on megatron-core's singleton layout."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dcr_cli.cli import main
+
+    layout, root = written
+    if not LAYOUTS[layout].get("singleton"):
+        pytest.skip("the default layout is diffed through the CLI elsewhere")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(MOE))
+    base, new = str(root / "base" / "torch_dist"), str(root / "target" / "torch_dist")
+    result = CliRunner().invoke(main, ["diff", base, new, "-o", str(tmp_path / "d"), "--profile", str(config)])
+    assert result.exit_code == 0, result.output
+    assert_oracle(tmp_path / "d", root / "base" / "hf", root / "target" / "hf")
+    for rank in range(2):
+        args = ["diff", base, new, "-o", str(tmp_path / "p"), "--profile", str(config), "--rank", str(rank)]
+        result = CliRunner().invoke(main, [*args, "--world-size", "2"])
+        assert result.exit_code == 0, result.output
+    # the producer that wrote the last part assembled the delta (the CLI's default)
+    assert Delta.open(tmp_path / "p").manifest.tensors == Delta.open(tmp_path / "d").manifest.tensors
+    assert_oracle(tmp_path / "p", root / "base" / "hf", root / "target" / "hf")
+    # a profile that does not match is refused before anything is written, naming the key and the profile
+    config.write_text(json.dumps({**MOE, "moe_intermediate_size": 16}))
+    result = CliRunner().invoke(main, ["diff", base, new, "-o", str(tmp_path / "x"), "--profile", str(config)])
+    assert result.exit_code != 0 and "does --profile match the model?" in result.stderr, result.output
+    assert "linear_fc1.weight_w" in result.stderr and not (tmp_path / "x").exists()
