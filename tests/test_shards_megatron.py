@@ -183,3 +183,33 @@ def test_singleton_local_shards_layout_that_is_not_whole_is_refused() -> None:
     del stored["decoder.layers.0.mlp.experts.experts.1.linear_fc2.weight"]
     with pytest.raises(IncompatibleError, match=r"experts\.1\.linear_fc2\.weight' is missing \(does --profile match"):
         megatron_canonical(reader, MOE)  # type: ignore[arg-type]
+
+
+def test_singleton_local_shards_dense_mlp_reads_the_w_v_halves() -> None:
+    """A dense model in the singleton_local_shards layout: per-layer keys, the MLP's linear_fc1 as _w and _v."""
+    from types import SimpleNamespace
+
+    from dcr_cli.checkpoints.megatron import megatron_canonical
+
+    def t(*shape: int) -> SimpleNamespace:
+        return SimpleNamespace(dtype="BF16", shape=shape)
+
+    stored = {"embedding.word_embeddings.weight": t(64, 16), "decoder.final_layernorm.weight": t(16)}
+    for i in range(2):
+        p = f"decoder.layers.{i}."
+        stored |= {
+            p + "self_attention.linear_qkv.layer_norm_weight": t(16),
+            p + "self_attention.linear_qkv.weight": t(64, 16),
+            p + "self_attention.linear_proj.weight": t(16, 32),
+            p + "mlp.linear_fc1.layer_norm_weight": t(16),
+            p + "mlp.linear_fc1.weight_w": t(24, 16),
+            p + "mlp.linear_fc1.weight_v": t(24, 16),
+            p + "mlp.linear_fc2.weight": t(16, 24),
+        }
+    out = megatron_canonical(SimpleNamespace(stored=stored, root="ckpt"), DENSE)  # type: ignore[arg-type]
+    up = out["model.layers.1.mlp.up_proj.weight"].segments
+    assert [(s.key, s.offsets, s.sizes) for s in up] == [("decoder.layers.1.mlp.linear_fc1.weight_v", (0, 0), (24, 16))]
+    assert out["model.layers.0.input_layernorm.weight"].residual == "zero-centred norm +1"
+    stored["decoder.layers.0.mlp.linear_fc1.weight_w"] = t(48, 16)  # a joint [gate; up] shape under the _w key
+    with pytest.raises(IncompatibleError, match=r"weight_w is \[48, 16\].*24 rows"):
+        megatron_canonical(SimpleNamespace(stored=stored, root="ckpt"), DENSE)  # type: ignore[arg-type]
