@@ -14,7 +14,11 @@ maps, format_spec/producers.md):
   3 x groups row blocks per layer;
 - SwiGLU ``linear_fc1`` is ``[gate; up]``: two row blocks;
 - vocab padding: rows >= vocab_size of the embedding and output layer are not canonical;
-- tied output layer: a duplicate of the embedding, checked (residual "tied"), never emitted.
+- tied output layer: a duplicate of the embedding, checked (residual "tied"), never emitted;
+- megatron-core's ``singleton_local_shards`` layout: a key per layer (``decoder.layers.<L>.*``, no layer
+  axis), SwiGLU fc1 as ``*_w`` (gate) and ``*_v`` (up), a key per expert (``mlp.experts.experts.<E>.*``,
+  no expert axis); TE GroupedLinear's ``mlp.experts.linear_fc1.weight<E>``. Every stored key a tensor
+  is read from is checked to have the shape the profile implies.
 
 Value-changing conversions are residual: a stored dtype other than the HF one
 (cast, round-to-nearest-even by torch), and ``layernorm_zero_centered_gamma``
@@ -110,6 +114,7 @@ def _cast(src: str, dst: str, add_one: bool) -> Callable[[np.ndarray], np.ndarra
 # layers not stacked (``decoder.layers.<L>.name``, no layer axis), SwiGLU fc1 split into ``<key>_w`` (gate)
 # and ``<key>_v`` (up), experts under their own global keys (``mlp.experts.experts.<E>.linear_fc1.weight_w``).
 # TE GroupedLinear's module spelling ``mlp.experts.linear_fc1.weight<E>`` (E global) is read too.
+
 # Where one layer's (and one expert's) tensor is stored: the key, and the leading indices that select
 # the layer (and expert) in it; () when the key holds that layer (or expert) alone.
 Located = tuple[str, tuple[int, ...]]
