@@ -12,6 +12,7 @@ only its forward uses it; the writer gives it an empty stand-in module, so megat
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from pathlib import Path
@@ -25,6 +26,10 @@ LAYOUTS: dict[str, dict[str, int | bool]] = {
     "ep2-grouped": dict(tp=1, ep=2, etp=1, grouped=True),  # legacy GroupedMLP
     "tp2-etp2": dict(tp=2, ep=1, etp=2, grouped=False),  # expert tensor parallel
     "tp2-ep2": dict(tp=2, ep=2, etp=1, grouped=False),  # attention TP, experts EP over the same 2 ranks
+    # megatron-core's singleton_local_shards layout: per-layer keys, SwiGLU fc1 as _w/_v, a key per expert
+    "ep2-sequential-singleton": dict(tp=1, ep=2, etp=1, grouped=False, singleton=True),
+    "ep2-grouped-singleton": dict(tp=1, ep=2, etp=1, grouped=True, singleton=True),
+    "tp2-etp2-singleton": dict(tp=2, ep=1, etp=2, grouped=False, singleton=True),  # _w/_v halves split by TP
 }
 
 
@@ -32,7 +37,7 @@ def _worker(rank: int, world: int, out: str, cfg: dict, layout: dict) -> None:
     # megatron-core's torch_dist saver synchronizes CUDA and reduces a flag on the current CUDA
     # device; with a CPU-only torch these two calls are pointed at the CPU (as shard_writers does).
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     if layout["grouped"] and "grouped_gemm" not in sys.modules:
         stand_in = types.ModuleType("grouped_gemm")
         stand_in.ops = types.SimpleNamespace()  # type: ignore[attr-defined]
@@ -91,7 +96,11 @@ def _worker(rank: int, world: int, out: str, cfg: dict, layout: dict) -> None:
                         ints = flat.view(torch.int16)
                         ints[3], ints[4] = 0x7FC3, -0x8000
         Path(f"{out}/{tag}/torch_dist").mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(model.sharded_state_dict(), f"{out}/{tag}/torch_dist")
+        # as megatron's own save path does: the same metadata to the model and as the checkpoint's content_metadata
+        metadata = {"singleton_local_shards": True} if layout.get("singleton") else None
+        dist_checkpointing.save(
+            model.sharded_state_dict(metadata=metadata), f"{out}/{tag}/torch_dist", content_metadata=metadata
+        )
         dist.barrier()
 
 
@@ -101,9 +110,63 @@ def write_megatron_moe(out: str | Path, cfg: dict, layout: str) -> Path:
     return out
 
 
+def restack_singleton(full: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """A singleton_local_shards checkpoint's tensors in the default layout's keys, by plain torch (not dcr):
+    per-layer keys stacked on a layer axis, ``_w``/``_v`` concatenated, per-expert keys stacked on an expert axis."""
+    out = {k: v for k, v in full.items() if not k.startswith("decoder.layers.")}
+    per_layer: dict[str, dict[int, torch.Tensor]] = {}
+    for k, v in full.items():
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", k)
+        if m:
+            per_layer.setdefault(m.group(2), {})[int(m.group(1))] = v
+    for name in [n for n in per_layer if n.endswith("_v")]:
+        gate, up = per_layer.pop(name[:-2] + "_w"), per_layer.pop(name)
+        per_layer[name[:-2]] = {i: torch.cat([gate[i], up[i]]) for i in gate}
+    experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+    for name in list(per_layer):
+        m = re.fullmatch(r"mlp\.experts\.experts\.(\d+)\.(.+)", name)
+        if m:
+            experts.setdefault(m.group(2), {})[int(m.group(1))] = per_layer.pop(name)
+    for name, by_expert in experts.items():
+        E = cfg["num_experts"]
+        per_layer[f"mlp.experts.experts.{name}"] = {
+            i: torch.stack([by_expert[e][i] for e in range(E)]) for i in by_expert[0]
+        }
+    for name, by_layer in per_layer.items():
+        out[f"decoder.layers.{name}"] = torch.stack([by_layer[i] for i in range(cfg["num_hidden_layers"])])
+    return out
+
+
 def chunk_boxes(path: str | Path, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The (offsets, sizes) of every chunk DCP stored for ``key`` (read from its .metadata by torch)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata[key]
     return sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)  # type: ignore[union-attr]
+
+
+TE_EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(\d+)\.(linear_fc[12])\.weight(_[wv])?")
+
+
+def write_te_grouped_spelling(src: str | Path, dst: str | Path, scratch: str | Path) -> Path:
+    """A hand-made copy of a singleton_local_shards checkpoint with its experts under Transformer Engine
+    GroupedLinear's own spelling, ``decoder.layers.<L>.mlp.experts.linear_fc1.weight<E>`` (E global, the
+    SwiGLU fc1 joint [gate; up] as GroupedLinear holds it), saved by torch.distributed.checkpoint
+    (Transformer Engine does not run on a CPU-only torch, so TEGroupedMLP itself cannot write it here)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    file = Path(scratch) / "te.pt"
+    dcp_to_torch_save(str(src), str(file))
+    full = {k: v for k, v in torch.load(file, weights_only=False).items() if isinstance(v, torch.Tensor)}
+    file.unlink()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in full.items():
+        m = TE_EXPERT.fullmatch(k)
+        if m is None:
+            out[k] = v
+        elif m.group(4) != "_v":
+            name = f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"
+            out[name] = torch.cat([v, full[k[:-2] + "_v"]]) if m.group(4) == "_w" else v
+    dcp.save(out, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
+    return Path(dst)

@@ -17,7 +17,7 @@ import pytest
 from conftest import require_or_skip
 from safetensors.torch import save_file
 from shard_oracle import assert_oracle
-from shard_writers import full_tensors_from_dcp, megatron_to_hf
+from shard_writers import REAL_MEGATRON_KEYS, full_tensors_from_dcp, megatron_to_hf
 
 from dcr_cli.delta.inspect import inspect
 from dcr_cli.delta.parts import assemble
@@ -26,11 +26,18 @@ from dcr_cli.produce import diff
 
 require_or_skip("megatron.core.dist_checkpointing")
 
-from moe_megatron_writers import LAYOUTS, chunk_boxes, write_megatron_moe
+from moe_megatron_writers import (
+    LAYOUTS,
+    chunk_boxes,
+    restack_singleton,
+    write_megatron_moe,
+    write_te_grouped_spelling,
+)
 from test_shards_megatron import COMMON
 
 MOE = {**COMMON, "tie_word_embeddings": False, "num_experts": 4, "moe_intermediate_size": 8,
        "megatron": {"padded_vocab_size": 64}}  # fmt: skip
+PRE_MLP = "decoder.layers.pre_mlp_layernorm.weight"  # the local MoE spec's pre-MLP norm, as megatron_to_hf reads it
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"  # [L, E, 2F, H], SequentialMLP's and GroupedMLP's key
 
 
@@ -39,6 +46,9 @@ def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     root = write_megatron_moe(tmp_path_factory.mktemp(request.param), MOE, request.param)
     for tag in ("base", "target"):
         full = full_tensors_from_dcp(root / tag / "torch_dist", root, moe=True)
+        if LAYOUTS[request.param].get("singleton"):
+            keys = {**REAL_MEGATRON_KEYS, "decoder.layers.mlp.linear_fc1.layer_norm_weight": PRE_MLP}
+            full = {keys.get(k, k): v for k, v in restack_singleton(full, MOE).items()}
         (root / tag / "hf").mkdir()
         save_file(megatron_to_hf(full, MOE), str(root / tag / "hf" / "model.safetensors"))
     return request.param, root
@@ -47,8 +57,26 @@ def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_the_layout_is_the_one_named(written: tuple[str, Path]) -> None:
     # The chunks megatron-core wrote for the expert fc1 tensor show the parallel layout.
     layout, root = written
+    L, E, F, H = (int(MOE[k]) for k in ("num_hidden_layers", "num_experts", "moe_intermediate_size", "hidden_size"))  # type: ignore[call-overload]
+    if LAYOUTS[layout].get("singleton"):
+        # a key per layer and expert, SwiGLU fc1 as _w (gate) and _v (up) [F, H], each split by expert TP
+        from torch.distributed.checkpoint import FileSystemReader
+
+        stored = FileSystemReader(str(root / "base" / "torch_dist")).read_metadata().state_dict_metadata
+        assert FC1 not in stored and "decoder.layers.self_attention.linear_qkv.weight" not in stored
+        rows = F // 2 if LAYOUTS[layout]["etp"] == 2 else F
+        for layer in range(L):
+            assert f"decoder.layers.{layer}.self_attention.linear_qkv.weight" in stored
+            for e in range(E):
+                fc1 = f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc1.weight"
+                for half in (fc1 + "_w", fc1 + "_v"):
+                    assert chunk_boxes(root / "base" / "torch_dist", half) == [
+                        ((r, 0), (rows, H)) for r in range(0, F, rows)
+                    ]
+                assert fc1 not in stored
+                assert f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc2.weight" in stored
+        return
     boxes = chunk_boxes(root / "base" / "torch_dist", FC1)
-    L, E, F, H = MOE["num_hidden_layers"], MOE["num_experts"], MOE["moe_intermediate_size"], MOE["hidden_size"]
     assert {off[0] for off, _ in boxes} == set(range(L))
     # SequentialMLP saves each expert as its own chunk, GroupedMLP a rank's experts as one.
     per_chunk = 2 if LAYOUTS[layout]["grouped"] else 1
@@ -94,3 +122,63 @@ def test_rank_producers_on_an_moe_checkpoint_assemble_the_same_delta(
     assemble(parted)
     assert Delta.open(parted).manifest.tensors == Delta.open(whole).manifest.tensors
     assert_oracle(parted, root / "base" / "hf", root / "target" / "hf")
+
+
+def test_transformer_engine_grouped_expert_spelling_is_exact(written: tuple[str, Path], tmp_path: Path) -> None:
+    """TEGroupedMLP writes the same storage keys as SequentialMLP (megatron-core 0.16: "interchangeable"), so
+    the singleton layouts above cover it; TE GroupedLinear's own ``experts.linear_fc1.weight<E>`` spelling is
+    a hand-made copy of the same tensors (TE does not run on CPU), fc1 joint [gate; up]."""
+    layout, root = written
+    if layout != "ep2-sequential-singleton":
+        pytest.skip("one singleton checkpoint is enough to respell")
+    te = {
+        tag: write_te_grouped_spelling(root / tag / "torch_dist", tmp_path / tag, tmp_path)
+        for tag in ("base", "target")
+    }
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(te["base"])).read_metadata().state_dict_metadata
+    fc1 = stored["decoder.layers.1.mlp.experts.linear_fc1.weight3"]
+    assert tuple(fc1.size) == (2 * int(MOE["moe_intermediate_size"]), MOE["hidden_size"])  # type: ignore[call-overload,union-attr]
+    assert not any(".experts.experts." in k for k in stored)
+    out = tmp_path / "d"
+    summary = diff(te["base"], te["target"], out, profile=copy.deepcopy(MOE))
+    assert summary is not None and summary.changed_elements > 0
+    assert_oracle(out, root / "base" / "hf", root / "target" / "hf")
+    parted = tmp_path / "p"
+    for rank in range(2):
+        diff(te["base"], te["target"], parted, profile=copy.deepcopy(MOE), rank=rank, world_size=2)
+    assemble(parted)
+    assert Delta.open(parted).manifest.tensors == Delta.open(out).manifest.tensors
+    assert_oracle(parted, root / "base" / "hf", root / "target" / "hf")
+
+
+def test_cli_diff_of_a_singleton_checkpoint_with_profile_config_json(written: tuple[str, Path], tmp_path: Path) -> None:
+    """``dcr diff --profile config.json`` (and ``--rank/--world-size``) on megatron-core's singleton layout."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dcr_cli.cli import main
+
+    layout, root = written
+    if not LAYOUTS[layout].get("singleton"):
+        pytest.skip("the default layout is diffed through the CLI elsewhere")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(MOE))
+    base, new = str(root / "base" / "torch_dist"), str(root / "target" / "torch_dist")
+    result = CliRunner().invoke(main, ["diff", base, new, "-o", str(tmp_path / "d"), "--profile", str(config)])
+    assert result.exit_code == 0, result.output
+    assert_oracle(tmp_path / "d", root / "base" / "hf", root / "target" / "hf")
+    for rank in range(2):
+        args = ["diff", base, new, "-o", str(tmp_path / "p"), "--profile", str(config), "--rank", str(rank)]
+        result = CliRunner().invoke(main, [*args, "--world-size", "2"])
+        assert result.exit_code == 0, result.output
+    # the producer that wrote the last part assembled the delta (the CLI's default)
+    assert Delta.open(tmp_path / "p").manifest.tensors == Delta.open(tmp_path / "d").manifest.tensors
+    assert_oracle(tmp_path / "p", root / "base" / "hf", root / "target" / "hf")
+    # a profile that does not match is refused before anything is written, naming the key and the profile
+    config.write_text(json.dumps({**MOE, "moe_intermediate_size": 16}))
+    result = CliRunner().invoke(main, ["diff", base, new, "-o", str(tmp_path / "x"), "--profile", str(config)])
+    assert result.exit_code != 0 and "does --profile match the model?" in result.stderr, result.output
+    assert "linear_fc1.weight_w" in result.stderr and not (tmp_path / "x").exists()

@@ -14,7 +14,11 @@ maps, format_spec/producers.md):
   3 x groups row blocks per layer;
 - SwiGLU ``linear_fc1`` is ``[gate; up]``: two row blocks;
 - vocab padding: rows >= vocab_size of the embedding and output layer are not canonical;
-- tied output layer: a duplicate of the embedding, checked (residual "tied"), never emitted.
+- tied output layer: a duplicate of the embedding, checked (residual "tied"), never emitted;
+- megatron-core's ``singleton_local_shards`` layout: a key per layer (``decoder.layers.<L>.*``, no layer
+  axis), SwiGLU fc1 as ``*_w`` (gate) and ``*_v`` (up), a key per expert (``mlp.experts.experts.<E>.*``,
+  no expert axis); TE GroupedLinear's ``mlp.experts.linear_fc1.weight<E>``. Every stored key a tensor
+  is read from is checked to have the shape the profile implies.
 
 Value-changing conversions are residual: a stored dtype other than the HF one
 (cast, round-to-nearest-even by torch), and ``layernorm_zero_centered_gamma``
@@ -105,17 +109,30 @@ def _cast(src: str, dst: str, add_one: bool) -> Callable[[np.ndarray], np.ndarra
     return convert
 
 
-# Keys only megatron-core's ``singleton_local_shards`` layout writes: layers not stacked (one key per
-# layer index), SwiGLU fc1 split into ``_w``/``_v`` tensors, experts under their own global keys.
-_SINGLETON_KEY = re.compile(
-    r"decoder\.layers\.\d+\.|linear_fc1\.(weight|bias)\d*_[wv]$|\.experts\.(experts\.)?\d+\.linear_fc[12]\."
-)
+# megatron-core's ``singleton_local_shards`` layout (megatron-core 0.16: SequentialMLP, legacy GroupedMLP and
+# TEGroupedMLP write the same keys) and what non-homogeneous layers write are read as well as the default:
+# layers not stacked (``decoder.layers.<L>.name``, no layer axis), SwiGLU fc1 split into ``<key>_w`` (gate)
+# and ``<key>_v`` (up), experts under their own global keys (``mlp.experts.experts.<E>.linear_fc1.weight_w``).
+# TE GroupedLinear's module spelling ``mlp.experts.linear_fc1.weight<E>`` (E global) is read too.
+
+# Where one layer's (and one expert's) tensor is stored: the key, and the leading indices that select
+# the layer (and expert) in it; () when the key holds that layer (or expert) alone.
+Located = tuple[str, tuple[int, ...]]
 
 
-def singleton_local_shards_key(stored: dict[str, Any], prefix: str) -> str | None:
-    """A stored key of the ``singleton_local_shards`` layout (the first, sorted), or None."""
-    hits = sorted(k for k in stored if k.startswith(prefix) and _SINGLETON_KEY.search(k, len(prefix)))
-    return hits[0] if hits else None
+def expert_spellings(key: Callable[[str], str], layer: int, e: int, fc: str) -> list[Located]:
+    """Where expert ``e`` of ``layer`` may be stored: its own key (``singleton_local_shards``: SequentialMLP,
+    GroupedMLP and TEGroupedMLP alike), TE GroupedLinear's ``weight<E>``, then stacked in a per-layer key
+    [E, ...] or in the [L, E, ...] key of the default layout."""
+    own, stacked = f"decoder.layers.{layer}.mlp.experts.", "decoder.layers.mlp.experts."
+    return [
+        (key(f"{own}experts.{e}.{fc}.weight"), ()),
+        (key(f"{own}{fc}.weight{e}"), ()),
+        (key(f"{own}experts.{fc}.weight"), (e,)),
+        (key(f"{own}{fc}.weight"), (e,)),
+        (key(f"{stacked}{fc}.weight"), (layer, e)),
+        (key(f"{stacked}experts.{fc}.weight"), (layer, e)),
+    ]
 
 
 def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str, CanonicalTensor]:
@@ -152,17 +169,37 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
         for name in names:
             if key(name) in stored:
                 return key(name)
-        singleton = singleton_local_shards_key(stored, prefix)
-        if singleton is not None:
-            raise IncompatibleError(
-                f"{reader.root}: saved with megatron-core's singleton_local_shards layout (per-layer keys, SwiGLU "
-                f"split into _w/_v, one key per expert, e.g. {singleton!r}), which dcr does not read; save with "
-                "the default torch_dist layout (no singleton_local_shards in the sharded_state_dict metadata) "
-                "or export to Hugging Face safetensors and diff those"
-            )
         raise IncompatibleError(
             f"{reader.root}: Megatron key {key(names[0])!r} is missing (does --profile match the model?)"
         )
+
+    def located(candidates: list[Located], shape: tuple[int, ...], what: str) -> Located:
+        """The first candidate stored, checked to hold ``shape`` after its leading (layer, expert) indices."""
+        for k, lead in candidates:
+            if k not in stored:
+                continue
+            have = tuple(stored[k].shape)
+            if len(have) != len(lead) + len(shape) or have[len(lead) :] != shape:
+                raise IncompatibleError(
+                    f"{reader.root}: {k} is {list(have)}, the profile implies {what} {list(shape)} ({shape[0]} rows)"
+                    + (f" after {len(lead)} stacked axes" if lead else "")
+                    + "; does --profile match the model?"
+                )
+            return k, lead
+        raise IncompatibleError(
+            f"{reader.root}: Megatron key {candidates[0][0]!r} is missing (does --profile match the model?)"
+        )
+
+    def in_layer(layer: int, names: tuple[str, ...], shape: tuple[int, ...]) -> Located:
+        """A layer's tensor: its own key ``decoder.layers.<L>.name`` or the stacked ``decoder.layers.name``."""
+        cands: list[Located] = []
+        for name in names:
+            cands += [(key(f"decoder.layers.{layer}.{name}"), ()), (key(f"decoder.layers.{name}"), (layer,))]
+        return located(cands, shape, names[0])
+
+    def seg(at: Located, off: tuple[int, ...], size: tuple[int, ...], name: str, dst: tuple[int, ...]) -> Segment:
+        k, lead = at
+        return Segment(k, (*lead, *off), ((1,) * len(lead) + size), name, dst)
 
     def add(name: str, shape: tuple[int, ...], segments: list[Segment], norm: bool = False) -> None:
         src = stored[segments[0].key].dtype
@@ -183,11 +220,34 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
         zero = (0,) * len(shape)
         add(name, shape, [Segment(k, zero, shape, name, zero)], norm)
 
-    def per_layer(k: str, name: str, shape: tuple[int, ...], norm: bool = False) -> None:
+    def per_layer(names: tuple[str, ...], name: str, shape: tuple[int, ...], norm: bool = False) -> None:
+        zero = (0,) * len(shape)
         for layer in range(layers):
-            zero = (0,) * len(shape)
             n = f"model.layers.{layer}.{name}"
-            add(n, shape, [Segment(k, (layer, *zero), (1, *shape), n, zero)], norm)
+            add(n, shape, [seg(in_layer(layer, names, shape), zero, shape, n, zero)], norm)
+
+    def gated(cands: list[Located], rows: int, cols: int, gate: str, up: str, what: str) -> tuple[Segment, Segment]:
+        """SwiGLU fc1 ``[gate; up]``: one [2F, H] tensor, or its ``_w`` (gate) and ``_v`` (up) halves."""
+        for k, lead in cands:
+            w, v = k + "_w", k + "_v"
+            if w in stored or v in stored:
+                if not (w in stored and v in stored):
+                    raise IncompatibleError(
+                        f"{reader.root}: {w if w in stored else v} is stored without its SwiGLU other half "
+                        f"{v if w in stored else w}; the checkpoint is incomplete"
+                    )
+                at_w = located([(w, lead)], (rows, cols), what + " gate half")
+                at_v = located([(v, lead)], (rows, cols), what + " up half")
+                return (
+                    seg(at_w, (0, 0), (rows, cols), gate, (0, 0)),
+                    seg(at_v, (0, 0), (rows, cols), up, (0, 0)),
+                )
+            if k in stored:
+                at = located([(k, lead)], (2 * rows, cols), what)
+                return seg(at, (0, 0), (rows, cols), gate, (0, 0)), seg(at, (rows, 0), (rows, cols), up, (0, 0))
+        raise IncompatibleError(
+            f"{reader.root}: Megatron key {cands[0][0]!r} is missing (does --profile match the model?)"
+        )
 
     # embedding and output layer: crop the vocab padding
     emb = need(EMBEDDING_KEY)
@@ -199,59 +259,58 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
         whole(out_key, "lm_head.weight", whole_emb)
     whole(need("decoder.final_layernorm.weight"), "model.norm.weight", (hidden,), norm=True)
 
-    att = "decoder.layers.self_attention."
-    input_norm = need(att + "linear_qkv.layer_norm_weight", "decoder.layers.input_layernorm.weight")
-    per_layer(input_norm, "input_layernorm.weight", (hidden,), norm=True)
-    qkv = need(att + "linear_qkv.weight")
+    att = "self_attention."
+    norm_names = (att + "linear_qkv.layer_norm_weight", "input_layernorm.weight")
+    per_layer(norm_names, "input_layernorm.weight", (hidden,), True)
     rows_per_group = (heads_per_group + 2) * head_dim
-    if stored[qkv].shape[1] != groups * rows_per_group:
-        raise IncompatibleError(f"{qkv}: {stored[qkv].shape[1]} rows, the profile implies {groups * rows_per_group}")
+    q_rows = heads_per_group * head_dim
     for layer in range(layers):
+        qkv = in_layer(layer, (att + "linear_qkv.weight",), (groups * rows_per_group, hidden))
         q, k_, v = (f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in "qkv")
         segs: dict[str, list[Segment]] = {q: [], k_: [], v: []}
-        q_rows = heads_per_group * head_dim
         for g in range(groups):
             base = g * rows_per_group
-            segs[q].append(Segment(qkv, (layer, base, 0), (1, q_rows, hidden), q, (g * q_rows, 0)))
-            segs[k_].append(Segment(qkv, (layer, base + q_rows, 0), (1, head_dim, hidden), k_, (g * head_dim, 0)))
-            segs[v].append(
-                Segment(qkv, (layer, base + q_rows + head_dim, 0), (1, head_dim, hidden), v, (g * head_dim, 0))
-            )
+            segs[q].append(seg(qkv, (base, 0), (q_rows, hidden), q, (g * q_rows, 0)))
+            segs[k_].append(seg(qkv, (base + q_rows, 0), (head_dim, hidden), k_, (g * head_dim, 0)))
+            segs[v].append(seg(qkv, (base + q_rows + head_dim, 0), (head_dim, hidden), v, (g * head_dim, 0)))
         add(q, (heads * head_dim, hidden), segs[q])
         add(k_, (groups * head_dim, hidden), segs[k_])
         add(v, (groups * head_dim, hidden), segs[v])
-    per_layer(need(att + "linear_proj.weight"), "self_attn.o_proj.weight", (hidden, heads * head_dim))
-    if key(att + "q_layernorm.weight") in stored:
-        per_layer(key(att + "q_layernorm.weight"), "self_attn.q_norm.weight", (head_dim,), norm=True)
-        per_layer(need(att + "k_layernorm.weight"), "self_attn.k_norm.weight", (head_dim,), norm=True)
+    per_layer((att + "linear_proj.weight",), "self_attn.o_proj.weight", (hidden, heads * head_dim))
+    qn = att + "q_layernorm.weight"
+    if key("decoder.layers." + qn) in stored or key(f"decoder.layers.0.{qn}") in stored:
+        per_layer((qn,), "self_attn.q_norm.weight", (head_dim,), norm=True)
+        per_layer((att + "k_layernorm.weight",), "self_attn.k_norm.weight", (head_dim,), norm=True)
 
-    mlp = "decoder.layers.mlp."
+    mlp = "mlp."
     if experts:
         inter = int(config.get("moe_intermediate_size") or config["intermediate_size"])
-        pre_mlp = need("decoder.layers.pre_mlp_layernorm.weight", mlp + "linear_fc1.layer_norm_weight")
-        per_layer(pre_mlp, "post_attention_layernorm.weight", (hidden,), True)
-        per_layer(need(mlp + "router.weight"), "mlp.gate.weight", (experts, hidden))
-        # grouped experts (TEGroupedMLP) or sequential local experts (SequentialMLP)
-        fc1 = need(mlp + "experts.linear_fc1.weight", mlp + "experts.experts.linear_fc1.weight")
-        fc2 = need(mlp + "experts.linear_fc2.weight", mlp + "experts.experts.linear_fc2.weight")
+        norm_names = ("pre_mlp_layernorm.weight", mlp + "linear_fc1.layer_norm_weight")
+        per_layer(norm_names, "post_attention_layernorm.weight", (hidden,), True)
+        per_layer((mlp + "router.weight",), "mlp.gate.weight", (experts, hidden))
         for layer in range(layers):
             for e in range(experts):
                 pre = f"model.layers.{layer}.mlp.experts.{e}."
                 gate, up, down = pre + "gate_proj.weight", pre + "up_proj.weight", pre + "down_proj.weight"
-                add(gate, (inter, hidden), [Segment(fc1, (layer, e, 0, 0), (1, 1, inter, hidden), gate, (0, 0))])
-                add(up, (inter, hidden), [Segment(fc1, (layer, e, inter, 0), (1, 1, inter, hidden), up, (0, 0))])
-                add(down, (hidden, inter), [Segment(fc2, (layer, e, 0, 0), (1, 1, hidden, inter), down, (0, 0))])
+                fc1 = expert_spellings(key, layer, e, "linear_fc1")
+                g_seg, u_seg = gated(fc1, inter, hidden, gate, up, "expert linear_fc1")
+                add(gate, (inter, hidden), [g_seg])
+                add(up, (inter, hidden), [u_seg])
+                fc2 = located(expert_spellings(key, layer, e, "linear_fc2"), (hidden, inter), "expert linear_fc2")
+                add(down, (hidden, inter), [seg(fc2, (0, 0), (hidden, inter), down, (0, 0))])
     else:
         inter = int(config["intermediate_size"])
-        pre_mlp = need(mlp + "linear_fc1.layer_norm_weight", "decoder.layers.pre_mlp_layernorm.weight")
-        per_layer(pre_mlp, "post_attention_layernorm.weight", (hidden,), True)
-        fc1 = need(mlp + "linear_fc1.weight")
+        norm_names = (mlp + "linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+        per_layer(norm_names, "post_attention_layernorm.weight", (hidden,), True)
         for layer in range(layers):
             pre = f"model.layers.{layer}.mlp."
             gate, up = pre + "gate_proj.weight", pre + "up_proj.weight"
-            add(gate, (inter, hidden), [Segment(fc1, (layer, 0, 0), (1, inter, hidden), gate, (0, 0))])
-            add(up, (inter, hidden), [Segment(fc1, (layer, inter, 0), (1, inter, hidden), up, (0, 0))])
-        per_layer(need(mlp + "linear_fc2.weight"), "mlp.down_proj.weight", (hidden, inter))
+            joint = mlp + "linear_fc1.weight"
+            cands = [(key(f"decoder.layers.{layer}.{joint}"), ()), (key(f"decoder.layers.{joint}"), (layer,))]
+            g_seg, u_seg = gated(cands, inter, hidden, gate, up, "linear_fc1")
+            add(gate, (inter, hidden), [g_seg])
+            add(up, (inter, hidden), [u_seg])
+        per_layer((mlp + "linear_fc2.weight",), "mlp.down_proj.weight", (hidden, inter))
     return quantize_fp8(out, config, reader.stored)
 
 
