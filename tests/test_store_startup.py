@@ -15,17 +15,21 @@ from dcr_cli.format import strict_json
 from dcr_cli.format._json_depth import scan
 
 
-def test_the_plain_depth_scan_agrees_with_the_compiled_one() -> None:
+def test_the_plain_scan_agrees_with_the_compiled_one() -> None:
     rng = random.Random(12)
-    alphabet = b'[]{}"\\a\n'
+    pieces = ["[", "]", "{", "}", '"', "\\", "a", "\n", "-", "+", ".", "e", ",", "7", "1" * 20, "1" * 21, "9" * 30]
     for _ in range(20000):
-        raw = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
-        expected = int(scan(np.frombuffer(raw, dtype=np.uint8))[0]) if raw else 0
-        assert strict_json._depth(raw) == expected, raw
+        raw = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30))).encode()
+        depth, longest = (int(v) for v in scan(np.frombuffer(raw, dtype=np.uint8))) if raw else (0, 0)
+        plain_depth, over_long = strict_json._scan(raw)
+        assert plain_depth == depth, raw
+        # The plain scan reports only an integer over the limit (the first one); the compiled scan the longest.
+        assert (over_long > strict_json.MAX_INT_DIGITS) == (longest > strict_json.MAX_INT_DIGITS), raw
     # Hostile shapes stay linear and right: escaped quotes inside an unterminated string, deep brackets.
     assert strict_json._depth(b'"' + b'\\"' * 100_000) == 0
     assert strict_json._depth(b"[" * 100_000) == 100_000
     assert strict_json._depth(b'["]]]", {"a": "\\"[["}]') == 2
+    assert strict_json._scan(b"[" + b"1" * 100_000 + b".5]")[1] == 0  # a long fraction's integer part is a float's
 
 
 def test_store_commands_do_not_import_numba() -> None:

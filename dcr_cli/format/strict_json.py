@@ -60,24 +60,41 @@ _STEP[list(b"[{")] = 1
 _STEP[list(b"]}")] = -1
 
 
-COMPILED_FROM = 256 << 10  # bytes: larger documents (big manifests) take the compiled scan
+# An integer literal of more than MAX_INT_DIGITS digits, in a document whose strings are cut out: a run of
+# digits not preceded by a digit or by a fraction's point or an exponent's e (with or without its sign),
+# and not followed by a fraction or exponent. In a valid document those are exactly the literals json
+# hands to parse_int, and it is the compiled scan's rule. One start per run passes the look-behinds, so
+# the search stays linear.
+_LONG_INT = re.compile(rb"(?<![\d.eE])(?<![.eE][+\-])(\d{%d,})(?![\d.eE])" % (MAX_INT_DIGITS + 1))
+
+# Bytes from which the compiled scan is cheaper than the regular expressions (~12 ms per MB) plus
+# importing numba and loading the compiled scan (~0.3 s): only manifests of ~100k tensors get there.
+COMPILED_FROM = 16 << 20
 
 
 def _depth(raw: bytes) -> int:
-    """Deepest bracket nesting outside strings; linear, no recursion.
+    """Deepest bracket nesting outside strings; linear, no recursion."""
+    return _scan(raw)[0]
 
-    Small documents (store records, state files, most manifests): the strings are cut out with the
-    regex above (backslash escapes count inside strings only, as in JSON), then the running sum of
-    the brackets left is the nesting; plain re and numpy. Large ones take ``_scan_large``. Both give
-    the same depth for any input.
+
+def _scan(raw: bytes) -> tuple[int, int]:
+    """(deepest bracket nesting, digits of an over-long integer literal or 0), strings excluded.
+
+    Documents below COMPILED_FROM (store records, state files, manifests up to tens of thousands of
+    tensors): the strings are cut out with the regex above (backslash escapes count inside strings
+    only, as in JSON), the running sum of the brackets left is the nesting, and a second regex finds an
+    over-long integer; plain re and numpy. Larger ones take ``_scan_large``. Both agree on any input.
     """
     if len(raw) >= COMPILED_FROM:
-        return _scan_large(raw)[0]
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+        return _scan_large(raw)
+    rest = _STRING.sub(b" ", raw)  # a space: a cut string must not join what stood on either side
+    long_int = _LONG_INT.search(rest)
+    digits = len(long_int.group(1)) if long_int else 0
+    brackets = rest.translate(None, _NOT_BRACKETS)
     if not brackets:
-        return 0
+        return 0, digits
     steps = _STEP[np.frombuffer(brackets, dtype=np.uint8)].astype(np.int32)
-    return max(0, int(np.cumsum(steps).max()))
+    return max(0, int(np.cumsum(steps).max())), digits
 
 
 def _scan_large(raw: bytes) -> tuple[int, int]:
@@ -126,8 +143,7 @@ def load_json(raw: bytes | str, what: str) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{what}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    large = len(data) >= COMPILED_FROM
-    depth, digits = _scan_large(data) if large else (_depth(data), 0)
+    depth, digits = _scan(data)
     if depth > MAX_DEPTH:
         raise FormatError(f"{what}: JSON nested {depth} levels deep (at most {MAX_DEPTH})")
     try:
@@ -136,8 +152,6 @@ def load_json(raw: bytes | str, what: str) -> Any:
         obj = json.loads(
             text,
             object_pairs_hook=_pairs,
-            # A small document's integers are checked as they parse; a large one's by the scan.
-            parse_int=None if large else _parse_int,
             parse_float=_parse_float,
             parse_constant=_refuse_constant,
         )
