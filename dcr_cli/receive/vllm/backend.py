@@ -116,7 +116,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
                 torch.accelerator.synchronize()
         except Exception as exc:
             self.last_error = _one_line(exc, self.receiver.rank)
-            self.last_error_kind = type(exc).__name__ if isinstance(exc, DcrError) else INTERNAL
+            self.last_error_kind = _kind(exc)
 
     def receive_weights(self, update_info: DcrUpdateInfo) -> None:
         if not update_info.delta:
@@ -132,6 +132,13 @@ def _one_line(exc: BaseException, rank: int) -> str:
     if text and isinstance(exc, DcrError):
         return text[0]
     return f"rank {rank}: {type(exc).__name__}: {' '.join(text)[:500]}"
+
+
+def _kind(exc: BaseException) -> str:
+    """The error kind a client raises: the DcrError's class; I/O: DcrError (exit 2); anything else: a bug."""
+    if isinstance(exc, DcrError):
+        return type(exc).__name__
+    return "DcrError" if isinstance(exc, OSError) else INTERNAL
 
 
 def _session_open(wrapper: Any) -> bool | None:
@@ -178,7 +185,7 @@ def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
         return {"ok": False, "error": str(exc), "kind": type(exc).__name__}
     except Exception as exc:
         error = _one_line(exc, engine_rank_or_zero())
-        return {"ok": False, "error": error, "kind": INTERNAL, "traceback": traceback.format_exc()[-2000:]}
+        return {"ok": False, "error": error, "kind": _kind(exc), "traceback": traceback.format_exc()[-2000:]}
 
 
 def engine_rank_or_zero() -> int:

@@ -44,20 +44,28 @@ def delta_location(delta: str | os.PathLike[str] | Delta) -> str:
 INTERNAL = "internal"  # backend.INTERNAL: a rank raised an exception dcr did not expect
 
 
-class EngineInternalError(RuntimeError):
-    """A rank of the engine raised an exception dcr did not expect (a bug in dcr).
+class EngineInternalError(DcrError):
+    """A rank of the engine raised an exception dcr did not expect (a bug in dcr): exit 70, the rank's message.
 
-    Not a DcrError on purpose: the CLI reports it as an internal error (exit 70), with the rank's message.
+    A DcrError (callers that catch DcrError see it) whose exit code is the internal error's.
     """
 
+    exit_code = errors.EXIT_INTERNAL
 
-def _error_class(kind: str, default: type[DcrError] = DcrError) -> type[Exception]:
+
+def _error_class(kind: str, default: type[DcrError] = DcrError) -> type[DcrError]:
     if kind == INTERNAL:
         return EngineInternalError
     cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, DcrError)) or cls is DcrError:
         return default
     return cls
+
+
+def _said(cls: type[DcrError], message: str) -> str:
+    if cls is EngineInternalError:
+        return f"internal error in the engine (a bug in dcr; please report it): {message}"
+    return message
 
 
 def _answers(results: list[Any]) -> list[dict[str, Any]]:
@@ -67,7 +75,7 @@ def _answers(results: list[Any]) -> list[dict[str, Any]]:
     if failed:
         kind = str(failed[0].get("kind"))
         cls = _error_class(kind)
-        raise cls(f"vLLM engine: {failed[0].get('error')}")
+        raise cls(_said(cls, f"vLLM engine: {failed[0].get('error')}"))
     return answers
 
 
@@ -341,7 +349,7 @@ def _failed(engine: Engine, statuses: list[dict[str, Any]] | None, error: tuple[
             problems.append(f"resuming the engine failed: {_one_line(exc)}")
         else:
             cls = _error_class(kind)
-            raise cls(f"vLLM engine: {message}; nothing was written and the engine serves its old version")
+            raise cls(_said(cls, f"vLLM engine: {message}; nothing was written and the engine serves its old version"))
     if applying == 0:
         raise DcrError(
             f"the apply failed on the engine ({message}); nothing was written, but {'; '.join(problems)}; "
@@ -350,9 +358,12 @@ def _failed(engine: Engine, statuses: list[dict[str, Any]] | None, error: tuple[
     # Left paused: the weights are part old, part new. The retry classifies every item again.
     cls = _error_class(kind, DcrError) if kind == INTERNAL else DcrError
     raise cls(
-        f"the apply failed on the engine ({message}); the engine is left paused with part of the delta applied "
-        f"({applying} of {len(statuses)} ranks applying{''.join('; ' + p for p in problems)}): "
-        "re-run the same command to finish it exactly (torn items are overwritten)"
+        _said(
+            cls,
+            f"the apply failed on the engine ({message}); the engine is left paused with part of the delta applied "
+            f"({applying} of {len(statuses)} ranks applying{''.join('; ' + p for p in problems)}): "
+            "re-run the same command to finish it exactly (torn items are overwritten)",
+        )
     )
 
 
