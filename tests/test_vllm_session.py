@@ -307,3 +307,73 @@ def test_real_engine_interrupted_client_retry_and_failed_finish(qwen3: list[Path
     del llm
     fresh = start_llm(qwen3[-1])
     assert differing(got, resident_bits(fresh)) == []
+
+
+@pytest.fixture(scope="module")
+def server(qwen3: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = tmp_path_factory.mktemp("server") / "vllm.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", str(qwen3[0]), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
+        "--weight-transfer-config", json.dumps({"backend": "dcr"}),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM server not ready after 300 s:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.vllm
+def test_real_server_a_client_interrupted_after_start_then_dcr_apply_succeeds_and_serves(
+    server: str, qwen3: list[Path], dcr: Any
+) -> None:
+    root = qwen3[0].parent
+    engine = client.ServerEngine(server)
+    # An interrupted client: paused, session started, then gone. vLLM answers a later start with a bare 500.
+    engine.pause()
+    engine.start()
+    assert all(s["session_open"] is True for s in engine.rpc("status"))
+    with pytest.raises(DcrError, match="HTTP 500"):
+        engine.start()
+    applied = dcr("apply", str(root / "d1"), "--vllm", server)
+    assert applied.returncode == 0, applied.stderr
+    assert engine.call("/is_paused", method="GET")["is_paused"] is False
+    assert engine.call("/weight_info", method="GET")["weight_version"] == "step-1"
+    assert all(s["session_open"] is False for s in engine.rpc("status"))
+    assert dcr("verify", "--vllm", server, check=True).stdout.startswith("ok:")
