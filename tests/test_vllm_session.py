@@ -22,6 +22,7 @@ from dcr_cli.receive.vllm.client import EngineInternalError, apply_to_engine
 
 VECTOR = Path(__file__).resolve().parents[1] / "format_spec" / "vectors" / "basic-v2" / "delta"
 TARGET = client.Delta.open(str(VECTOR)).manifest.target.version
+TARGET_FP = client.Delta.open(str(VECTOR)).manifest.target.fingerprint
 
 
 class FakeEngine(client.Engine):
@@ -50,7 +51,11 @@ class FakeEngine(client.Engine):
     def _status(self, rank: int) -> dict[str, Any]:
         return {
             "ok": True,
-            "state": {"applying": {"delta_id": "d"} if self.applying[rank] else None, "version": self.version},
+            "state": {
+                "applying": {"delta_id": "d"} if self.applying[rank] else None,
+                "version": self.version,
+                "fingerprint": TARGET_FP if self.at_target else None,
+            },
             "last_report": self.last_report,
             "last_error": self.last_error[rank],
             "last_error_kind": self.last_error_kind[rank],

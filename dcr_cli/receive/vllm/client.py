@@ -232,7 +232,7 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
         engine.update(location)
     except Exception as exc:  # a dropped connection, a timeout, or an engine whose update raised
         statuses = _statuses(engine)
-        if statuses is None or not _completed(statuses, target):
+        if statuses is None or not _completed(statuses, opened.manifest.target.fingerprint):
             found = _errors(statuses or [])
             _failed(engine, statuses, found[0] if found else (f"the update failed: {_one_line(exc)}", "DcrError"))
         # else: the update ran to completion on every rank; only its reply was lost.
@@ -296,13 +296,13 @@ def _guarded(engine: Engine, what: str, step: Callable[[], None]) -> None:
         ) from None
 
 
-def _completed(statuses: list[dict[str, Any]], target: str) -> bool:
-    """Every rank finished the update without an error and holds ``target``."""
+def _completed(statuses: list[dict[str, Any]], target_fingerprint: str) -> bool:
+    """Every rank finished the update without an error and holds the target (by its fingerprint)."""
     return all(
         not s.get("last_error")
         and s.get("last_report")
         and s["state"].get("applying") is None
-        and s["state"].get("version") == target
+        and s["state"].get("fingerprint") == target_fingerprint
         for s in statuses
     )
 
