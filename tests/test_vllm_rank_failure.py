@@ -109,3 +109,32 @@ def test_a_rank_failure_is_never_mistaken_for_data() -> None:
     with pytest.raises(DcrError, match="gone"):
         receiver = EngineReceiver(torch.nn.Linear(2, 2), lambda obj: [obj, failure], rank=0)
         receiver.exchange("piece")
+
+
+@pytest.mark.parametrize("step", ["prepare", "apply"])
+def test_a_rank_whose_untouched_check_refuses_fails_every_rank(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare and apply run check_untouched inside an agreed phase: had the ranks' tables ever
+    differed, the refusing rank would otherwise raise while the others wait in an all-gather."""
+    from types import SimpleNamespace
+
+    from dcr_cli.errors import IncompatibleError
+    from dcr_cli.receive import plan as receiver_plan
+
+    def check(self: EngineReceiver, delta: Any, staged: Any = None) -> str:
+        self.state.fingerprint = "fp-base"  # every rank is at the delta's base
+        return "apply"
+
+    def check_untouched(manifest: Any, base_table: Any, url: str) -> None:
+        if base_table == "rank 1's table":
+            raise IncompatibleError("w is not at the base (rank 1)")
+
+    monkeypatch.setattr(EngineReceiver, "check", check)
+    monkeypatch.setattr(EngineReceiver, "held_table", lambda self: f"rank {self.rank}'s table")
+    monkeypatch.setattr(EngineReceiver, "_first_pass", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(receiver_plan, "check_untouched", check_untouched)
+    manifest = SimpleNamespace(base=SimpleNamespace(fingerprint="fp-base"), items=[object()])
+    delta = SimpleNamespace(manifest=manifest, url="d", id="delta-id")
+
+    out, _ = run_ranks([lambda r: getattr(r, step)(delta)] * 2)
+    assert [type(o) for o in out] == [IncompatibleError, IncompatibleError], out
+    assert [str(o) for o in out] == ["w is not at the base (rank 1)"] * 2

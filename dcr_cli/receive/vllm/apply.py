@@ -566,15 +566,27 @@ class EngineReceiver:
         resuming = mode == "resume"
         base_table = self.held_table() if self.state.fingerprint == delta.manifest.base.fingerprint else None
         try:
-            if base_table is not None:
-                receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
-            self.agree(lambda: self._first_pass(delta, resuming))
+            # One agreed phase: a rank whose check refuses fails every rank (none waits in an exchange).
+            self.agree(lambda: self._untouched_and_first_pass(delta, base_table, resuming))
             prepared = dict(self._prepared)
         finally:
             self._prepared.clear()
             self._prepared_bytes = 0
         self._staged = Staged(delta.id, self._state_key(), resuming, prepared, time.perf_counter() - started, phases)
         return mode
+
+    def _untouched_and_first_pass(
+        self,
+        delta: Delta,
+        base_table: dict[str, TensorEntry] | None,
+        resuming: bool,
+        skip: dict[int, Prepared] | None = None,
+        first_pass: bool = True,
+    ) -> None:
+        if base_table is not None:
+            receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
+        if first_pass:
+            self._first_pass(delta, resuming, skip=skip)
 
     def _take_staged(self, delta: Delta) -> Staged | None:
         staged, self._staged = self._staged, None
@@ -597,12 +609,12 @@ class EngineReceiver:
         phases = {**(staged.phases if staged is not None else {}), "check": time.perf_counter() - started}
         base_table = self.held_table() if self.state.fingerprint == m.base.fingerprint else None
         try:
-            if base_table is not None:
-                receiver_plan.check_untouched(m, base_table, delta.url)
             t = time.perf_counter()
             kept = staged.prepared if staged is not None else {}
-            if len(kept) < len(m.items):  # items the staged pass could not keep are checked again here
-                self.agree(lambda: self._first_pass(delta, resuming, skip=kept))
+            # Items the staged pass could not keep are checked again here, in the same agreed phase as
+            # the untouched tensors' check (a rank that refuses fails every rank; none is left waiting).
+            again = len(kept) < len(m.items)
+            self.agree(lambda: self._untouched_and_first_pass(delta, base_table, resuming, kept, first_pass=again))
             prepared = {**kept, **self._prepared}
             staged_items = len(kept)
             self._prepared.clear()

@@ -20,7 +20,10 @@ the client reads them with ``dcr_rpc`` op ``status`` from all ranks. vLLM 0.32's
 executor raises on the first failed reply of a ``collective_rpc`` and leaves the other ranks'
 replies queued, so a raising rank would make every later RPC of the engine read a stale reply.
 The update session stays open after a recorded failure; the client closes it with
-``finish_weight_update`` (without a version).
+``finish_weight_update`` (without a version). ``status`` (and ``prepare``) also say whether vLLM's
+update session is open on the worker (``session_open``), so that a client can close the session
+that an interrupted client left open. An exception that is not a DcrError (a bug) is recorded
+with kind ``"internal"`` and the rank's number; the client reports it as an internal error (70).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from .apply import EngineReceiver, Exchange, single_rank
 
 BACKEND_NAME = "dcr"
 RPC_METHOD = "dcr_rpc"
+INTERNAL = "internal"  # the error kind of an exception dcr did not expect on a rank (a bug: exit 70)
 
 
 @dataclass
@@ -96,6 +100,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
 
     def start_weight_update(self) -> None:
         self.last_error = self.last_error_kind = None
+        self.last_report = None
 
     def finish_weight_update(self) -> None:
         pass
@@ -110,8 +115,8 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
         except Exception as exc:
-            self.last_error = _one_line(exc)
-            self.last_error_kind = type(exc).__name__ if isinstance(exc, DcrError) else "DcrError"
+            self.last_error = _one_line(exc, self.receiver.rank)
+            self.last_error_kind = _kind(exc)
 
     def receive_weights(self, update_info: DcrUpdateInfo) -> None:
         if not update_info.delta:
@@ -122,9 +127,24 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         pass
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, rank: int) -> str:
     text = str(exc).strip().splitlines()
-    return text[0] if text and isinstance(exc, DcrError) else f"{type(exc).__name__}: {' '.join(text)[:500]}"
+    if text and isinstance(exc, DcrError):
+        return text[0]
+    return f"rank {rank}: {type(exc).__name__}: {' '.join(text)[:500]}"
+
+
+def _kind(exc: BaseException) -> str:
+    """The error kind a client raises: the DcrError's class; I/O: DcrError (exit 2); anything else: a bug."""
+    if isinstance(exc, DcrError):
+        return type(exc).__name__
+    return "DcrError" if isinstance(exc, OSError) else INTERNAL
+
+
+def _session_open(wrapper: Any) -> bool | None:
+    """Whether vLLM's weight-update session is open on this worker (None: this vLLM does not say)."""
+    active = getattr(getattr(wrapper, "worker", None), "_weight_update_active", None)
+    return active if isinstance(active, bool) else None
 
 
 def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
@@ -146,11 +166,13 @@ def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
                 "last_report": engine.last_report,
                 "last_error": engine.last_error,
                 "last_error_kind": engine.last_error_kind,
+                "session_open": _session_open(wrapper),
             }
         if op == "check":
             return {"ok": True, "mode": receiver.check(Delta.open(args["delta"])), "state": receiver.state.to_json()}
         if op == "prepare":  # check, and the first pass staged for the update that follows
-            return {"ok": True, "mode": receiver.prepare(Delta.open(args["delta"])), "state": receiver.state.to_json()}
+            mode = receiver.prepare(Delta.open(args["delta"]))
+            return {"ok": True, "mode": mode, "state": receiver.state.to_json(), "session_open": _session_open(wrapper)}
         if op == "verify":
             table = None
             if args.get("delta"):
@@ -162,4 +184,12 @@ def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
     except DcrError as exc:
         return {"ok": False, "error": str(exc), "kind": type(exc).__name__}
     except Exception as exc:
-        return {"ok": False, "error": _one_line(exc), "kind": "DcrError", "traceback": traceback.format_exc()[-2000:]}
+        error = _one_line(exc, engine_rank_or_zero())
+        return {"ok": False, "error": error, "kind": _kind(exc), "traceback": traceback.format_exc()[-2000:]}
+
+
+def engine_rank_or_zero() -> int:
+    try:
+        return engine_rank()
+    except Exception:
+        return 0

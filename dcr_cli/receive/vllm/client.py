@@ -41,15 +41,41 @@ def delta_location(delta: str | os.PathLike[str] | Delta) -> str:
     return url if "://" in url else os.path.abspath(url)
 
 
+INTERNAL = "internal"  # backend.INTERNAL: a rank raised an exception dcr did not expect
+
+
+class EngineInternalError(DcrError):
+    """A rank of the engine raised an exception dcr did not expect (a bug in dcr): exit 70, the rank's message.
+
+    A DcrError (callers that catch DcrError see it) whose exit code is the internal error's.
+    """
+
+    exit_code = errors.EXIT_INTERNAL
+
+
+def _error_class(kind: str, default: type[DcrError] = DcrError) -> type[DcrError]:
+    if kind == INTERNAL:
+        return EngineInternalError
+    cls = getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, DcrError)) or cls is DcrError:
+        return default
+    return cls
+
+
+def _said(cls: type[DcrError], message: str) -> str:
+    if cls is EngineInternalError:
+        return f"internal error in the engine (a bug in dcr; please report it): {message}"
+    return message
+
+
 def _answers(results: list[Any]) -> list[dict[str, Any]]:
-    """Per-rank answers of dcr_rpc; the first error becomes a DcrError with its exit code."""
+    """Per-rank answers of dcr_rpc; an error becomes a DcrError with its exit code (a rank's bug first)."""
     answers = [r if isinstance(r, dict) else {"ok": False, "error": str(r)} for r in results]
-    for answer in answers:
-        if not answer.get("ok"):
-            kind = getattr(errors, str(answer.get("kind")), DcrError)
-            if not (isinstance(kind, type) and issubclass(kind, DcrError)):
-                kind = DcrError
-            raise kind(f"vLLM engine: {answer.get('error')}")
+    failed = sorted((a for a in answers if not a.get("ok")), key=lambda a: a.get("kind") != INTERNAL)
+    if failed:
+        kind = str(failed[0].get("kind"))
+        cls = _error_class(kind)
+        raise cls(_said(cls, f"vLLM engine: {failed[0].get('error')}"))
     return answers
 
 
@@ -171,15 +197,26 @@ class InProcessEngine(Engine):
 def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: Callable[[str], None] | None = None):
     """Prepare (every check and the first pass), pause, update in place, bump the weight version,
     reset the prefix cache, resume. The delta is read and checked before the engine is paused, so
-    a bad delta never pauses it; the report's ``pause_seconds`` is the window it did not serve."""
+    a bad delta never pauses it; the report's ``pause_seconds`` is the window it did not serve.
+
+    Whatever fails after the pause, the engine is resumed if no rank wrote anything, else left
+    paused with a message that says so; a retry of the same command closes the update session an
+    interrupted client left open (without a version) and finishes the apply exactly.
+    """
     location = delta_location(delta)
     opened = delta if isinstance(delta, Delta) else Delta.open(location)
     target = opened.manifest.target.version
     started = time.perf_counter()
-    modes = {a["mode"] for a in engine.rpc("prepare", delta=location)}  # raises before anything is touched
+    answers = engine.rpc("prepare", delta=location)  # raises before anything is touched
+    modes = {a["mode"] for a in answers}
     prepare_seconds = time.perf_counter() - started
     if modes == {"noop"}:
-        engine.set_version(target)
+        if any(a.get("session_open") for a in answers):
+            # An earlier client proved the target on every rank and was interrupted before it
+            # closed the session: close it with the version, and serve again.
+            _guarded(engine, "finishing the update an interrupted apply left open", lambda: _close(engine, target))
+        else:
+            engine.set_version(target)
         if log:
             log(f"the engine already holds version {target}")
         return {"status": "noop", "version": target}
@@ -187,21 +224,29 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
         raise IncompatibleError(f"the engine's ranks disagree about their version ({sorted(modes)}); restart it")
     paused = time.perf_counter()
     engine.pause()
-    engine.start()
+    try:
+        _start(engine)
+    except Exception as exc:  # nothing was written: serve the old weights again
+        _failed(engine, _statuses(engine), (f"starting the weight update failed: {_one_line(exc)}", "DcrError"))
     try:
         engine.update(location)
-    except Exception as exc:  # an engine whose update raised (not dcr's backend, which records errors)
+    except Exception as exc:  # a dropped connection, a timeout, or an engine whose update raised
         statuses = _statuses(engine)
-        _failed(engine, statuses, next((e for e in _errors(statuses or [])), (str(exc), "DcrError")), closed=True)
+        if statuses is None or not _completed(statuses, opened.manifest.target.fingerprint):
+            found = _errors(statuses or [])
+            _failed(engine, statuses, found[0] if found else (f"the update failed: {_one_line(exc)}", "DcrError"))
+        # else: the update ran to completion on every rank; only its reply was lost.
     # Every rank recorded its outcome and returned normally (nothing is left queued in vLLM's
     # channels): ask all of them, and fail if any one failed.
-    statuses = engine.rpc("status")
+    try:
+        statuses = engine.rpc("status")
+    except Exception as exc:
+        _failed(engine, None, (f"reading the ranks' status after the update failed: {_one_line(exc)}", "DcrError"))
     failures = _errors(statuses)
     if failures:
-        _failed(engine, statuses, failures[0], closed=False)
-    engine.finish(target)
-    engine.reset_prefix_cache()
-    engine.resume()
+        _failed(engine, statuses, failures[0])
+    proven = "the delta is applied and proven on every rank, but closing the update"
+    _guarded(engine, proven, lambda: _close(engine, target))
     pause_seconds = time.perf_counter() - paused
     report = dict(statuses[0].get("last_report") or {})
     report.update(prepare_seconds=prepare_seconds, pause_seconds=pause_seconds)
@@ -215,38 +260,110 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     return report
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, DcrError) else f"{type(exc).__name__}: {text}"[:500]
+
+
+def _start(engine: Engine) -> None:
+    """Open the update session; close first a session that an interrupted client left open."""
+    try:
+        engine.start()
+        return
+    except Exception as exc:
+        statuses = _statuses(engine)
+        stale = "already active" in str(exc) or any(s.get("session_open") for s in statuses or [])
+        if not stale:
+            raise
+    engine.finish(None)  # no version stamped: the weights' state is the ranks' own (EngineState)
+    engine.start()
+
+
+def _close(engine: Engine, target: str) -> None:
+    engine.finish(target)
+    engine.reset_prefix_cache()
+    engine.resume()
+
+
+def _guarded(engine: Engine, what: str, step: Callable[[], None]) -> None:
+    """A step after every rank reached the target: on failure the engine is left paused (its
+    weights are the target's; no stale version may be served as the new one)."""
+    try:
+        step()
+    except Exception as exc:
+        raise DcrError(
+            f"{what} failed ({_one_line(exc)}); the engine is left paused: re-run the same command to finish"
+        ) from None
+
+
+def _completed(statuses: list[dict[str, Any]], target_fingerprint: str) -> bool:
+    """Every rank finished the update without an error and holds the target (by its fingerprint)."""
+    return all(
+        not s.get("last_error")
+        and s.get("last_report")
+        and s["state"].get("applying") is None
+        and s["state"].get("fingerprint") == target_fingerprint
+        for s in statuses
+    )
+
+
 def _statuses(engine: Engine) -> list[dict[str, Any]] | None:
     try:
         return engine.rpc("status")
-    except DcrError:
+    except Exception:
         return None
 
 
 def _errors(statuses: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(message, error kind) recorded by each rank whose last update failed, in rank order."""
+    """(message, error kind) recorded by each rank whose last update failed: a rank's bug first, then rank order."""
     failed = [s for s in statuses if s.get("last_error")]
-    return [(str(s["last_error"]), str(s.get("last_error_kind") or "DcrError")) for s in failed]
+    found = [(str(s["last_error"]), str(s.get("last_error_kind") or "DcrError")) for s in failed]
+    return sorted(found, key=lambda f: f[1] != INTERNAL)
 
 
-def _failed(engine: Engine, statuses: list[dict[str, Any]] | None, error: tuple[str, str], *, closed: bool) -> NoReturn:
+def _failed(engine: Engine, statuses: list[dict[str, Any]] | None, error: tuple[str, str]) -> NoReturn:
     """Raise for a failed update: resume the engine if no rank wrote anything, else leave it paused.
 
-    ``closed``: vLLM closed the update session already (the update raised); otherwise it is closed
-    here, without a version, so that the retry can start a new one.
+    The update session is closed here (without a version) where it may be open, so that the retry
+    can start a new one. The error raised is always ``error``'s; a failing cleanup is added to it.
     """
     message, kind = error
-    if not closed:
-        engine.finish(None)
-    if statuses is not None and all(s["state"].get("applying") is None for s in statuses):
-        engine.resume()  # refused before any write: the engine still serves its old version
-        cls = getattr(errors, kind, None)
-        if not (isinstance(cls, type) and issubclass(cls, DcrError)) or cls is DcrError:
-            cls = IncompatibleError
-        raise cls(f"vLLM engine: {message}")
+    problems: list[str] = []
+    if statuses is None or any(s.get("session_open") is not False for s in statuses):
+        try:
+            engine.finish(None)
+        except Exception as exc:
+            if statuses is not None and any(s.get("session_open") for s in statuses):
+                problems.append(f"closing the update session failed: {_one_line(exc)}")
+            # else: the session was not open (vLLM closes it when its update raised)
+    if statuses is None:
+        raise DcrError(
+            f"the apply failed on the engine ({message}); its status cannot be read, so the engine may be left "
+            "paused and part of the delta applied: re-run the same command to finish it exactly"
+        )
+    applying = sum(s["state"].get("applying") is not None for s in statuses)
+    if applying == 0 and not problems:
+        try:
+            engine.resume()  # refused before any write: the engine still serves its old version
+        except Exception as exc:
+            problems.append(f"resuming the engine failed: {_one_line(exc)}")
+        else:
+            cls = _error_class(kind)
+            raise cls(_said(cls, f"vLLM engine: {message}; nothing was written and the engine serves its old version"))
+    if applying == 0:
+        raise DcrError(
+            f"the apply failed on the engine ({message}); nothing was written, but {'; '.join(problems)}; "
+            "the engine is left paused: re-run the same command to finish"
+        )
     # Left paused: the weights are part old, part new. The retry classifies every item again.
-    raise DcrError(
-        f"the apply failed on the engine ({message}); it is left paused with part of the delta applied: "
-        "re-run the same command to finish it exactly (torn items are overwritten)"
+    cls = _error_class(kind, DcrError) if kind == INTERNAL else DcrError
+    raise cls(
+        _said(
+            cls,
+            f"the apply failed on the engine ({message}); the engine is left paused with part of the delta applied "
+            f"({applying} of {len(statuses)} ranks applying{''.join('; ' + p for p in problems)}): "
+            "re-run the same command to finish it exactly (torn items are overwritten)",
+        )
     )
 
 
