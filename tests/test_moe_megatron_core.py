@@ -124,13 +124,12 @@ def test_rank_producers_on_an_moe_checkpoint_assemble_the_same_delta(
     assert_oracle(parted, root / "base" / "hf", root / "target" / "hf")
 
 
+@pytest.mark.parametrize("written", ["ep2-sequential-singleton"], indirect=True)  # one is enough to respell
 def test_transformer_engine_grouped_expert_spelling_is_exact(written: tuple[str, Path], tmp_path: Path) -> None:
     """TEGroupedMLP writes the same storage keys as SequentialMLP (megatron-core 0.16: "interchangeable"), so
     the singleton layouts above cover it; TE GroupedLinear's own ``experts.linear_fc1.weight<E>`` spelling is
     a hand-made copy of the same tensors (TE does not run on CPU), fc1 joint [gate; up]."""
-    layout, root = written
-    if layout != "ep2-sequential-singleton":
-        pytest.skip("one singleton checkpoint is enough to respell")
+    _, root = written
     te = {
         tag: write_te_grouped_spelling(root / tag / "torch_dist", tmp_path / tag, tmp_path)
         for tag in ("base", "target")
@@ -153,6 +152,8 @@ def test_transformer_engine_grouped_expert_spelling_is_exact(written: tuple[str,
     assert_oracle(parted, root / "base" / "hf", root / "target" / "hf")
 
 
+# The default layouts are diffed through the CLI elsewhere.
+@pytest.mark.parametrize("written", sorted(k for k in LAYOUTS if LAYOUTS[k].get("singleton")), indirect=True)
 def test_cli_diff_of_a_singleton_checkpoint_with_profile_config_json(written: tuple[str, Path], tmp_path: Path) -> None:
     """``dcr diff --profile config.json`` (and ``--rank/--world-size``) on megatron-core's singleton layout."""
     import json
@@ -161,9 +162,7 @@ def test_cli_diff_of_a_singleton_checkpoint_with_profile_config_json(written: tu
 
     from dcr_cli.cli import main
 
-    layout, root = written
-    if not LAYOUTS[layout].get("singleton"):
-        pytest.skip("the default layout is diffed through the CLI elsewhere")
+    _, root = written
     config = tmp_path / "config.json"
     config.write_text(json.dumps(MOE))
     base, new = str(root / "base" / "torch_dist"), str(root / "target" / "torch_dist")
