@@ -17,9 +17,8 @@ import numpy as np
 
 from ..errors import FormatError, IncompatibleError
 from ..format.dtypes import dtype as lookup_dtype
-from ..format.dtypes import numel
 from ..format.strict_json import load_json
-from .safetensors_dir import parse_header, read_header, read_raw_header
+from .safetensors_dir import header_entry, parse_header, read_header, read_raw_header
 from .shards import Chunk, ShardReader, StoredTensor, check_chunks_disjoint, release_pages
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -84,15 +83,13 @@ class DcpHfReader(ShardReader):
             for name, meta in header.items():
                 if name == "__metadata__":
                     continue
+                dt, shape, begin, _end = header_entry(file, name, meta, data_start, size)
                 try:
-                    dt = lookup_dtype(meta["dtype"])
-                    shape = tuple(int(s) for s in meta["shape"])
-                    begin, end = (int(x) for x in meta["data_offsets"])
                     offsets = tuple(int(x) for x in info[name]["saved_offsets"])
                 except (KeyError, TypeError, ValueError):
-                    raise FormatError(f"{file}: bad header or sharding entry for {name!r}") from None
-                if end - begin != numel(shape) * dt.itemsize or data_start + end > size or len(offsets) != len(shape):
-                    raise FormatError(f"{file}: entry {name!r} is truncated or inconsistent")
+                    raise FormatError(f"{file}: bad sharding entry for {name!r}") from None
+                if len(offsets) != len(shape):
+                    raise FormatError(f"{file}: the sharding entry of {name!r} does not match its rank")
                 if dtypes.setdefault(name, dt.name) != dt.name:
                     raise FormatError(f"{root}: {name} has two dtypes across shards")
                 boxes.setdefault(name, []).append(Chunk(offsets, shape, file.name, data_start + begin))

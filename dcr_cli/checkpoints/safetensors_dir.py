@@ -15,13 +15,14 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import FormatError, IncompatibleError
 from ..format.digest import digest_bytes
+from ..format.dtypes import DType, numel
 from ..format.dtypes import dtype as lookup_dtype
-from ..format.dtypes import numel
 from ..format.manifest import TensorEntry
 from ..format.strict_json import load_json
 from ..io import digest_cache
@@ -243,6 +244,21 @@ class SafetensorsCheckpoint:
         self.close()
 
 
+def header_entry(
+    file: Path, name: str, meta: Any, data_start: int, size: int
+) -> tuple[DType, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one safetensors header entry, checked against its shape and the file's size."""
+    try:
+        dt = lookup_dtype(meta["dtype"])
+        shape = tuple(int(s) for s in meta["shape"])
+        begin, end = (int(x) for x in meta["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise FormatError(f"{file}: bad header entry for {name!r}") from None
+    if any(s < 0 for s in shape) or end - begin != numel(shape) * dt.itemsize or data_start + end > size or begin < 0:
+        raise FormatError(f"{file}: data of {name!r} is truncated or inconsistent with its shape")
+    return dt, shape, begin, end
+
+
 def _locations(file: Path, header: dict, data_start: int, size: int) -> list[TensorLocation]:
     """The tensors of one parsed header, in header order, checked against the file's size and each other."""
     out: list[TensorLocation] = []
@@ -250,15 +266,8 @@ def _locations(file: Path, header: dict, data_start: int, size: int) -> list[Ten
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dt = lookup_dtype(meta["dtype"])
-            shape = tuple(int(s) for s in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{file}: bad header entry for {name!r}") from None
-        nbytes = numel(shape) * dt.itemsize
-        if any(s < 0 for s in shape) or end - begin != nbytes or data_start + end > size or begin < 0:
-            raise FormatError(f"{file}: data of {name!r} is truncated or inconsistent with its shape")
+        dt, shape, begin, end = header_entry(file, name, meta, data_start, size)
+        nbytes = end - begin
         out.append(TensorLocation(name, dt.name, shape, file, data_start + begin, nbytes))
         if nbytes:
             spans.append((begin, end, name))

@@ -112,6 +112,10 @@ class LocalBackend(Backend):
         return read_regular_file(path, start, end)
 
     def put(self, path: str, data: bytes) -> None:
+        self._publish(path, data)
+
+    def _publish(self, path: str, data: bytes | Iterable[bytes]) -> None:
+        """Written to a temporary name, renamed over ``path``, the directory synced."""
         tmp = self._tmp(path, data)
         try:
             os.replace(tmp, path)
@@ -122,13 +126,7 @@ class LocalBackend(Backend):
 
     def put_chunks(self, path: str, chunks: Iterable[bytes]) -> None:
         """Streamed to a temporary name and renamed once complete: memory holds one chunk, not the object."""
-        tmp = self._tmp(path, chunks)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        fsync_dir(os.path.dirname(path) or ".")
+        self._publish(path, chunks)
 
     def create(self, path: str, data: bytes) -> None:
         tmp = self._tmp(path, data)
