@@ -114,6 +114,16 @@ def test_profile_that_does_not_match_fails_closed(dense: Path, tmp_path: Path) -
         diff(dense / "base" / "torch_dist", dense / "target" / "torch_dist", tmp_path / "d")
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_profile_with_another_layer_count_fails_closed(dense: Path, tmp_path: Path, layers: int) -> None:
+    """One layer fewer would otherwise diff only the first layer, silently; one more names a missing key."""
+    cfg = copy.deepcopy(DENSE)
+    cfg["num_hidden_layers"] = layers
+    with pytest.raises(IncompatibleError, match="layers; does --profile match|does --profile match the model"):
+        diff(dense / "base" / "torch_dist", dense / "target" / "torch_dist", tmp_path / "d", profile=cfg)
+    assert not (tmp_path / "d").exists()
+
+
 def _singleton_stored(expert_key: str) -> dict:
     """The stored keys and shapes of megatron-core's singleton_local_shards layout of MOE (structure only)."""
     from types import SimpleNamespace

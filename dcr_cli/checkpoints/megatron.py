@@ -311,7 +311,26 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
             add(gate, (inter, hidden), [g_seg])
             add(up, (inter, hidden), [u_seg])
         per_layer((mlp + "linear_fc2.weight",), "mlp.down_proj.weight", (hidden, inter))
+    _check_layer_count(reader.root, stored, key("decoder.layers."), layers)
     return quantize_fp8(out, config, reader.stored)
+
+
+def _check_layer_count(root: Any, stored: dict[str, StoredTensor], layers_prefix: str, layers: int) -> None:
+    """The checkpoint holds exactly the profile's layers: a stacked key's first axis, or the indices of
+    per-layer keys. Without this a profile with fewer layers would diff only the first ones, silently."""
+    for k, t in stored.items():
+        if not k.startswith(layers_prefix):
+            continue
+        head = k[len(layers_prefix) :].split(".", 1)[0]
+        if head.isdigit():
+            if int(head) >= layers:
+                raise IncompatibleError(
+                    f"{root}: {k} is layer {head}, but the profile has {layers} layers; does --profile match the model?"
+                )
+        elif t.shape and t.shape[0] != layers:
+            raise IncompatibleError(
+                f"{root}: {k} stacks {t.shape[0]} layers, but the profile has {layers}; does --profile match the model?"
+            )
 
 
 # The 2-D linear weights of attention and MLP (experts included); not embeddings, norms, router, lm_head.
