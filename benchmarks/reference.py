@@ -30,18 +30,8 @@ import fsspec
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throttle import parse_rate
 
-
-class AverageRate:
-    def __init__(self, rate: float) -> None:
-        self.rate, self.start, self.sent, self.lock = rate, time.monotonic(), 0, threading.Lock()
-
-    def take(self, n: int) -> None:
-        with self.lock:
-            self.sent += n
-            due = self.start + self.sent / self.rate
-        delay = due - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+# The same limiter dcr push and pull use, so that the reference is throttled exactly as dcr is.
+from dcr_cli.store.transfer import RateLimit
 
 
 def run_all(tasks: list[Callable[[], None]], workers: int) -> None:
@@ -51,7 +41,7 @@ def run_all(tasks: list[Callable[[], None]], workers: int) -> None:
 
 
 def upload(
-    ckpt: Path, url: str, workers: int, object_bytes: int, max_bytes: int | None, limit: AverageRate | None
+    ckpt: Path, url: str, workers: int, object_bytes: int, max_bytes: int | None, limit: RateLimit | None
 ) -> dict[str, Any]:
     fs, root = fsspec.core.url_to_fs(url)
     files = sorted(p for p in ckpt.iterdir() if p.is_file())
@@ -83,7 +73,7 @@ def upload(
     return {"bytes": sum(n for _, _, n in pieces), "objects": len(pieces), "seconds": time.perf_counter() - t}
 
 
-def download(url: str, out: Path, workers: int, limit: AverageRate | None) -> dict[str, Any]:
+def download(url: str, out: Path, workers: int, limit: RateLimit | None) -> dict[str, Any]:
     fs, root = fsspec.core.url_to_fs(url)
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
@@ -126,7 +116,7 @@ def main() -> None:
         p.add_argument("--workers", type=int, default=8)
         p.add_argument("--limit-rate", default=None)
     args = ap.parse_args()
-    limit = AverageRate(parse_rate(args.limit_rate)) if args.limit_rate else None
+    limit = RateLimit(parse_rate(args.limit_rate)) if args.limit_rate else None
     if args.cmd == "up":
         result = upload(args.ckpt, args.url, args.workers, args.object_bytes, args.max_bytes, limit)
     else:
