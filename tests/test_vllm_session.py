@@ -74,6 +74,7 @@ class FakeEngine(client.Engine):
         self.calls.append("pause")
         self._maybe_fail("pause")
         self.paused = True
+        self._maybe_fail("pause-reply")  # the engine paused; its reply was lost
 
     def resume(self) -> None:
         self.calls.append("resume")
@@ -152,6 +153,16 @@ def test_start_failing_for_another_reason_resumes_and_says_so() -> None:
     with pytest.raises(DcrError, match=r"starting the weight update failed: .*HTTP 500.*nothing was written"):
         apply_to_engine(engine, VECTOR)
     assert not engine.paused and not engine.session
+
+
+@pytest.mark.parametrize("fail", ["pause", "pause-reply"])
+def test_a_failing_pause_resumes_the_engine_and_says_nothing_was_written(fail: str) -> None:
+    engine = FakeEngine(fail)
+    with pytest.raises(DcrError, match=r"pausing the engine failed: .*HTTP 500.*nothing was written"):
+        apply_to_engine(engine, VECTOR)
+    assert not engine.paused and not engine.session and "update" not in engine.calls
+    apply_to_engine(engine, VECTOR)  # the retry applies
+    assert not engine.paused and engine.stamped == TARGET
 
 
 def test_a_refusal_recorded_by_the_ranks_closes_the_session_resumes_and_keeps_its_class() -> None:

@@ -167,10 +167,19 @@ def command(
         f"{summary.delta}: {summary.base_version} -> {summary.target_version}, "
         f"{summary.changed_elements}/{summary.total_elements} elements changed ({summary.change_rate:.3%}), "
         f"{human_bytes(summary.payload_bytes + summary.manifest_bytes)} "
-        f"({summary.full_bytes / max(1, summary.payload_bytes + summary.manifest_bytes):.1f}x smaller than full)"
+        f"({_against_full(summary.full_bytes, summary.payload_bytes + summary.manifest_bytes)})"
     )
     if pushed is not None and uploader is not None:
         say(
             f"{push_url}: published {pushed.version} (base {pushed.base}); {uploader.uploaded_blocks} blocks "
             f"uploaded during the diff, {pushed.uploaded_blocks} after it"
         )
+
+
+def _against_full(full: int, sent: int) -> str:
+    """The delta's size against the full checkpoint's, in words that stay true when the delta is the larger."""
+    if full <= 0 or sent <= 0:
+        return "the full checkpoint is empty" if full <= 0 else "nothing to send"
+    if sent <= full:
+        return f"{full / sent:.1f}x smaller than full"
+    return f"{sent / full:.1f}x larger than full"

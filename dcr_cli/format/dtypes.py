@@ -77,7 +77,7 @@ def dtype(name: str) -> DType:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise FormatError(f"unsupported dtype {name!r}; dcr v1 supports {', '.join(SUPPORTED)}") from None
+        raise FormatError(f"unsupported dtype {name!r}; dcr supports {', '.join(SUPPORTED)}") from None
 
 
 def numel(shape: tuple[int, ...] | list[int]) -> int:
@@ -94,7 +94,7 @@ def from_torch(torch_dtype: object) -> DType:
     for st_name, torch_name in TORCH_NAMES.items():
         if torch_name == name:
             return _DTYPES[st_name]
-    raise FormatError(f"unsupported dtype {torch_dtype}; dcr v1 supports {', '.join(SUPPORTED)}")
+    raise FormatError(f"unsupported dtype {torch_dtype}; dcr supports {', '.join(SUPPORTED)}")
 
 
 def to_torch(name: str) -> torch.dtype:

@@ -223,7 +223,10 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     if len(modes) != 1:
         raise IncompatibleError(f"the engine's ranks disagree about their version ({sorted(modes)}); restart it")
     paused = time.perf_counter()
-    engine.pause()
+    try:
+        engine.pause()
+    except Exception as exc:  # the pause may have taken effect with its reply lost: resume, nothing was written
+        _failed(engine, _statuses(engine), (f"pausing the engine failed: {_one_line(exc)}", "DcrError"))
     try:
         _start(engine)
     except Exception as exc:  # nothing was written: serve the old weights again
