@@ -235,6 +235,7 @@ def test_state_is_rehashed_when_files_change_behind_its_back(two_versions: tuple
 
 def expect_refusal(recv: Path, *args: object, code: int = 2, words: str = "") -> str:
     before = snapshot(recv)
+    had_state_dir = (recv / ".dcr").exists()
     state_before = (recv / ".dcr" / "state.json").read_bytes() if (recv / ".dcr" / "state.json").exists() else None
     exit_code, out, err = run_cli(*(str(a) for a in args))
     assert exit_code == code, (out, err)
@@ -244,6 +245,7 @@ def expect_refusal(recv: Path, *args: object, code: int = 2, words: str = "") ->
     assert snapshot(recv) == before
     state_after = (recv / ".dcr" / "state.json").read_bytes() if (recv / ".dcr" / "state.json").exists() else None
     assert state_after == state_before
+    assert (recv / ".dcr").exists() == had_state_dir  # not even the lock file is left behind
     return lines[0]
 
 

@@ -172,18 +172,50 @@ def same_files(recorded: dict[str, list[int]], now: dict[str, list[int]]) -> boo
 
 @contextlib.contextmanager
 def receiver_lock(root: Path) -> Iterator[None]:
-    """Exclusive, non-blocking: a second applier fails at once instead of interleaving writes."""
+    """Exclusive, non-blocking: a second applier fails at once instead of interleaving writes.
+
+    An applier that created ``.dcr/`` and recorded nothing in it (it refused the delta, or had nothing
+    to do) removes it again, so a refused apply leaves the checkpoint exactly as it found it. It
+    unlinks the lock file while still holding it; so every holder checks, once its lock is granted,
+    that the file it locked is still the one at the path, and otherwise locks the new one
+    (receiver-checkpoint.md §3).
+    """
     directory = state_dir(root)
+    created = not directory.exists()
     with explain_enospc(directory):
         directory.mkdir(exist_ok=True)
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _locked(directory / LOCK_NAME)
     try:
+        yield
+    finally:
+        try:
+            if created and [p.name for p in directory.iterdir()] == [LOCK_NAME]:
+                (directory / LOCK_NAME).unlink()
+                directory.rmdir()
+        except OSError:
+            pass  # another process recreated something in it: leave it
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _locked(path: Path) -> int:
+    """A descriptor holding ``flock(LOCK_EX)`` on the file now at ``path`` (see ``receiver_lock``)."""
+    while True:
+        with explain_enospc(path.parent):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the directory was just removed by an applier that recorded nothing
+                path.parent.mkdir(exist_ok=True)
+                continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConflictError(
-                f"another dcr apply holds {directory / LOCK_NAME}; wait for it to finish, then re-run"
-            ) from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+            os.close(fd)
+            raise ConflictError(f"another dcr apply holds {path}; wait for it to finish, then re-run") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # we locked a file its holder unlinked on the way out: lock the current one
