@@ -60,3 +60,29 @@ def test_a_full_spool_disk_names_the_spool_and_tmpdir(tmp_path: Path, monkeypatc
         fetcher.close()
     assert caught.value.errno == errno.ENOSPC
     assert "downloaded blocks" in str(caught.value) and "TMPDIR" in str(caught.value)
+
+
+def test_fetchers_share_one_memory_allowance(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A late joiner checks every delta of a chain before its first write, so their fetchers live
+    # together: the blocks they keep in memory must stay within one process-wide allowance.
+    import gc
+
+    from dcr_cli.delta import prefetch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    allowance = prefetch._Allowance(3 * (64 << 10))
+    monkeypatch.setattr(prefetch, "_MEMORY", allowance)
+    fetchers = []
+    for k in range(4):  # four deltas of two 64 KiB blocks: 512 KiB, against an allowance of 192 KiB
+        source, blocks = memory_store(f"chain{k}", 2, 64 << 10)
+        fetcher = BlockFetcher(source, blocks)
+        fetcher.wait_all()
+        assert fetcher.read(blocks[1].id, 0, 4) == (1).to_bytes(4, "little")  # spilled or not, the same bytes
+        fetchers.append(fetcher)
+    in_memory = sum(b.data is not None for f in fetchers for b in f._blocks.values())
+    assert in_memory == 3  # the first three blocks fitted; every later one went to a temporary file
+    for f in fetchers:
+        f.close()
+    del f, fetcher, fetchers
+    gc.collect()
+    assert allowance.take(3 * (64 << 10))  # all of it was given back when the fetchers were collected

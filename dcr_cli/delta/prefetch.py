@@ -38,9 +38,33 @@ from .source import BlockSource
 RANGE_BYTES = 4 << 20  # one ranged read
 WINDOW_BYTES = 32 << 20  # ranges being fetched at once (their bytes are in memory until written)
 # Blocks kept in anonymous memory up to this, the rest in a temporary directory (page cache, which the
-# kernel can write out): a receiver's memory does not grow with the delta.
+# kernel can write out): a receiver's memory does not grow with the delta. The allowance is the
+# process's, shared by all its fetchers: a late joiner that checks a chain of N deltas before its
+# first write holds at most this much, not N times it.
 MEMORY_BYTES = 64 << 20
 WORKERS = 8
+
+
+class _Allowance:
+    """Bytes of block data the fetchers of this process may still hold in memory, together."""
+
+    def __init__(self, total: int) -> None:
+        self._left = total
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if n > self._left:
+                return False
+            self._left -= n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._left += n
+
+
+_MEMORY = _Allowance(MEMORY_BYTES)
 
 
 class MissingBlock(IntegrityError):
@@ -73,14 +97,16 @@ class BlockFetcher:
         workers: int = WORKERS,
         window: int = WINDOW_BYTES,
         range_bytes: int = RANGE_BYTES,
-        memory: int = MEMORY_BYTES,
+        memory: int | None = None,
         spool: str | os.PathLike[str] | None = None,
         throttle: Callable[[int], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         """``spool``: write every block to ``<spool>/.<id>.part`` (kept by :meth:`keep`, else removed by
         :meth:`close`); ``throttle`` is called with a range's size before it is read (a rate limit),
-        ``progress`` with the bytes of each range once it has arrived."""
+        ``progress`` with the bytes of each range once it has arrived; ``memory`` bounds the bytes of
+        blocks this fetcher keeps in memory (default: what is left of the process's ``MEMORY_BYTES``,
+        given back when the fetcher is closed or collected)."""
         self.source = source
         self._throttle = throttle
         self._progress = progress
@@ -94,6 +120,7 @@ class BlockFetcher:
         self._cancelled = False
         self._dir: str | None = None
         held = 0
+        allowance = _MEMORY if memory is None else _Allowance(memory)
         for entry in blocks:
             if entry.id in self._blocks:
                 continue
@@ -104,7 +131,7 @@ class BlockFetcher:
             if self._spool is not None:
                 block.path = os.path.join(self._spool, f".{entry.id}.part")
                 _create(block.path, os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
-            elif held + entry.size <= memory:
+            elif allowance.take(entry.size):
                 block.data = bytearray(entry.size)
                 held += entry.size
             else:
@@ -115,6 +142,8 @@ class BlockFetcher:
                 _create(block.path, os.O_EXCL)
             self._blocks[entry.id] = block
             self._order.extend((block, i) for i in range(len(ranges)))
+        if held:  # the blocks' memory is the fetcher's until it is collected (readers use it after close)
+            weakref.finalize(self, allowance.give, held)
         # Daemon threads: a receiver that fails early exits without waiting for downloads it no longer needs.
         self._threads = [
             threading.Thread(target=self._work, name=f"dcr-fetch-{i}", daemon=True)
