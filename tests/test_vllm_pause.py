@@ -7,6 +7,7 @@ real in-process engine driver (every call still goes to vLLM).
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ require_or_skip("vllm")
 
 from vllm_support import differing, engine_env, ensure_plugin_entry_point, resident_bits, start_llm, train_run
 
-from dcr_cli.errors import IncompatibleError, IntegrityError
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import ConflictError, IncompatibleError, IntegrityError
 from dcr_cli.format.manifest import MANIFEST_NAME, parse_manifest
 from dcr_cli.receive.vllm import apply as engine_apply
 from dcr_cli.receive.vllm import verify_llm
@@ -80,13 +82,14 @@ def test_a_bad_delta_never_pauses_the_engine(qwen3: list[Path], tmp_path: Path) 
         engine = Recording(llm)
         with pytest.raises(error or IncompatibleError):
             apply_to_engine(engine, bad)
-        assert engine.calls == ["prepare"], engine.calls
+        assert engine.calls == ["claim", "prepare", "release"], engine.calls
         assert differing(resident_bits(llm), before) == []
 
     # The good delta: checked and read first, then one pause that covers the update only.
     engine = Recording(llm)
     report = apply_to_engine(engine, root / "d1")
-    assert engine.calls[:2] == ["prepare", "pause"] and engine.calls.count("pause") == 1, engine.calls
+    assert engine.calls[:3] == ["claim", "prepare", "pause"] and engine.calls.count("pause") == 1, engine.calls
+    assert engine.calls[-1] == "release", engine.calls
     assert engine.calls.index("update") > engine.calls.index("pause")
     assert engine.calls.index("resume") > engine.calls.index("update")
     assert report["status"] == "applied" and report["pause_seconds"] > 0
@@ -138,7 +141,7 @@ def test_an_update_refused_before_any_write_resumes_and_the_next_apply_starts_a_
     engine = Recording(llm)
     with pytest.raises(IntegrityError, match=r"vLLM engine: a data block went missing \(injected\)"):
         apply_to_engine(engine, root / "d1")
-    assert engine.calls == ["prepare", "pause", "update", "status", "resume"], engine.calls
+    assert engine.calls == ["claim", "prepare", "pause", "update", "status", "resume", "release"], engine.calls
     assert differing(resident_bits(llm), before) == []
     assert llm.get_weight_version() != "step-1"  # no version was stamped
     monkeypatch.undo()
@@ -146,3 +149,35 @@ def test_an_update_refused_before_any_write_resumes_and_the_next_apply_starts_a_
     assert report["status"] == "applied"
     verify_llm(llm)
     assert llm.get_weight_version() == "step-1"
+
+
+def test_a_client_with_another_delta_is_refused_while_a_live_client_holds_the_engine(qwen3: list[Path]) -> None:
+    """Two clients at once (a concurrent writer): the second is refused before it touches anything,
+    unless it applies the same delta (a re-run takes over) or the first's claim has lapsed."""
+    root = qwen3[0].parent
+    llm = start_llm(qwen3[0])
+    before = resident_bits(llm)
+    holder = InProcessEngine(llm)
+    holder.token = "a" * 32
+    assert holder.rpc("claim", delta="f" * 64, lease=300)[0]["claimed"]
+
+    other = Recording(llm)
+    with pytest.raises(ConflictError, match=r"another dcr apply is updating this engine \(delta ffffffffffffffff…"):
+        apply_to_engine(other, root / "d1")
+    assert other.calls == ["claim", "release"], other.calls  # never prepared, never paused
+    assert differing(resident_bits(llm), before) == []
+
+    # The same delta: a re-run of an interrupted command takes the claim over.
+    assert holder.rpc("claim", delta=Delta.open(root / "d1").id, lease=300)[0]["claimed"]
+    assert apply_to_engine(Recording(llm), root / "d1")["status"] == "applied"
+
+    # A claim whose holder went quiet for longer than its lease has lapsed.
+    holder.token = "b" * 32
+    assert holder.rpc("claim", delta="f" * 64, lease=0.2)[0]["claimed"]
+    time.sleep(0.5)
+    assert apply_to_engine(Recording(llm), root / "d2")["status"] == "applied"
+    verify_llm(llm)
+    # The client released its claim at the end: anyone may claim now.
+    holder.token = "c" * 32
+    assert holder.rpc("claim", delta="e" * 64, lease=300)[0]["claimed"]
+    assert holder.rpc("release")[0]["ok"]

@@ -63,6 +63,9 @@ class FakeEngine(client.Engine):
         }
 
     def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
+        if op in ("claim", "release"):  # the engine's claim (backend.py); test_vllm_claim.py covers it
+            assert self.token
+            return [{"ok": True, "claimed": True}] * self.ranks
         self.calls.append(op)
         self._maybe_fail(op)
         if op == "prepare":

@@ -14,6 +14,13 @@ and fingerprinting them at the first apply, which also proves that the placement
 a reply (check, prepare, status, verify) through ``collective_rpc`` / ``POST /collective_rpc``. It never
 raises: errors come back as ``{"ok": false, "error": ...}`` so an HTTP client sees the message.
 
+``claim`` / ``release`` keep clients apart, as the checkpoint receiver's lock does: a client claims
+the engine (a random token, the delta's id, a lease) before it pauses it and releases it at the end.
+While another token holds a claim that was active within its lease, a claim is refused, unless it
+is for the same delta (a re-run of an interrupted command takes over: both would write the same
+bits). Every rank keeps its own claim; collective RPCs reach them in the same order, so they agree.
+An update refreshes the claim when it ends. A client that died releases it when its lease runs out.
+
 ``update_weights`` never raises either (an ``Exception``; not a ``KeyboardInterrupt``): every rank
 records its failure as ``last_error`` (one line) and ``last_error_kind`` and returns normally, and
 the client reads them with ``dcr_rpc`` op ``status`` from all ranks. vLLM 0.32's multiprocess
@@ -28,6 +35,7 @@ with kind ``"internal"`` and the rank's number; the client reports it as an inte
 
 from __future__ import annotations
 
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +102,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self.last_report: dict[str, Any] | None = None
         self.last_error: str | None = None  # of the last update on this rank (None: it succeeded)
         self.last_error_kind: str | None = None  # the DcrError subclass name, for the client's exit code
+        self.claim: Claim | None = None  # the client that is updating this engine (see the module doc)
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
         pass  # nothing to connect: deltas are read from where update_info points
@@ -117,6 +126,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         except Exception as exc:
             self.last_error = _one_line(exc, self.receiver.rank)
             self.last_error_kind = _kind(exc)
+        finally:
+            if self.claim is not None:  # the update was the claimant's: its lease counts from now
+                self.claim.seen = time.monotonic()
 
     def receive_weights(self, update_info: DcrUpdateInfo) -> None:
         if not update_info.delta:
@@ -125,6 +137,29 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
 
     def shutdown(self) -> None:
         pass
+
+
+@dataclass
+class Claim:
+    token: str
+    delta: str  # the id of the delta being applied
+    lease: float  # seconds without activity after which the claim lapses
+    seen: float  # time.monotonic() of the claimant's last call
+
+
+def _claim(engine: DcrWeightTransferEngine, token: str, delta: str, lease: float) -> dict[str, Any]:
+    now = time.monotonic()
+    held = engine.claim
+    if held is not None and held.token != token and held.delta != delta and now - held.seen < held.lease:
+        return {"ok": True, "claimed": False, "delta": held.delta, "idle": now - held.seen, "lease": held.lease}
+    engine.claim = Claim(token, delta, lease, now)
+    return {"ok": True, "claimed": True}
+
+
+def _release(engine: DcrWeightTransferEngine, token: str) -> dict[str, Any]:
+    if engine.claim is not None and engine.claim.token == token:
+        engine.claim = None
+    return {"ok": True}
 
 
 def _one_line(exc: BaseException, rank: int) -> str:
@@ -158,34 +193,52 @@ def dcr_rpc(wrapper: Any, request: str) -> dict[str, Any]:
                 "this vLLM engine was not started with the dcr weight-transfer backend; start it with "
                 '--weight-transfer-config \'{"backend": "dcr"}\''
             )
-        receiver = engine.receiver
-        if op == "status":
-            return {
-                "ok": True,
-                "state": receiver.state.to_json(),
-                "last_report": engine.last_report,
-                "last_error": engine.last_error,
-                "last_error_kind": engine.last_error_kind,
-                "session_open": _session_open(wrapper),
-            }
-        if op == "check":
-            return {"ok": True, "mode": receiver.check(Delta.open(args["delta"])), "state": receiver.state.to_json()}
-        if op == "prepare":  # check, and the first pass staged for the update that follows
-            mode = receiver.prepare(Delta.open(args["delta"]))
-            return {"ok": True, "mode": mode, "state": receiver.state.to_json(), "session_open": _session_open(wrapper)}
-        if op == "verify":
-            table = None
-            if args.get("delta"):
-                table = Delta.open(args["delta"]).manifest.tensors
-            elif args.get("table"):
-                table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in args["table"].items()}
-            return {"ok": True, **receiver.verify(table)}
-        raise DcrError(f"unknown dcr_rpc op {op!r}")
+        try:
+            return _answer(engine, wrapper, op, args)
+        finally:  # the claimant is active: its lease counts from the end of its last call
+            if engine.claim is not None and args.get("token") == engine.claim.token:
+                engine.claim.seen = time.monotonic()
     except DcrError as exc:
         return {"ok": False, "error": str(exc), "kind": type(exc).__name__}
     except Exception as exc:
         error = _one_line(exc, engine_rank_or_zero())
         return {"ok": False, "error": error, "kind": _kind(exc), "traceback": traceback.format_exc()[-2000:]}
+
+
+def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """One rank's answer to one dcr_rpc request."""
+    receiver = engine.receiver
+    if op == "status":
+        return {
+            "ok": True,
+            "state": receiver.state.to_json(),
+            "last_report": engine.last_report,
+            "last_error": engine.last_error,
+            "last_error_kind": engine.last_error_kind,
+            "session_open": _session_open(wrapper),
+        }
+    if op == "claim":
+        lease = args.get("lease")
+        if not isinstance(args.get("token"), str) or not isinstance(args.get("delta"), str):
+            raise DcrError("dcr_rpc claim needs a string token and delta")
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not 0 < lease <= 86400:
+            raise DcrError("dcr_rpc claim needs a lease in seconds, in (0, 86400]")
+        return _claim(engine, args["token"], args["delta"], float(lease))
+    if op == "release":
+        return _release(engine, str(args.get("token")))
+    if op == "check":
+        return {"ok": True, "mode": receiver.check(Delta.open(args["delta"])), "state": receiver.state.to_json()}
+    if op == "prepare":  # check, and the first pass staged for the update that follows
+        mode = receiver.prepare(Delta.open(args["delta"]))
+        return {"ok": True, "mode": mode, "state": receiver.state.to_json(), "session_open": _session_open(wrapper)}
+    if op == "verify":
+        table = None
+        if args.get("delta"):
+            table = Delta.open(args["delta"]).manifest.tensors
+        elif args.get("table"):
+            table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in args["table"].items()}
+        return {"ok": True, **receiver.verify(table)}
+    raise DcrError(f"unknown dcr_rpc op {op!r}")
 
 
 def engine_rank_or_zero() -> int:

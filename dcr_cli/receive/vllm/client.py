@@ -24,12 +24,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ... import errors
 from ...delta.reader import Delta
-from ...errors import DcrError, IncompatibleError, VerifyFailed
+from ...errors import ConflictError, DcrError, IncompatibleError, VerifyFailed
 from ..plan import quote
 
 RPC_METHOD = "dcr_rpc"
@@ -79,11 +80,22 @@ def _answers(results: list[Any]) -> list[dict[str, Any]]:
     return answers
 
 
+# Seconds without a call from the client that claimed an engine after which its claim lapses (a
+# client that died): long enough for a pause that waits for running requests, or a slow first pass.
+CLAIM_LEASE_S = 300.0
+
+
 class Engine:
     """The steps of an apply, for either kind of engine."""
 
+    token: str | None = None  # the claim this client holds (sent with every dcr_rpc request)
+
     def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
         raise NotImplementedError
+
+    def request(self, op: str, args: dict[str, Any]) -> str:
+        """The JSON of a dcr_rpc request (with this client's claim token, if it holds one)."""
+        return json.dumps({"op": op, **args, **({"token": self.token} if self.token else {})})
 
     def pause(self) -> None: ...
 
@@ -135,7 +147,7 @@ class ServerEngine(Engine):
         return json.loads(raw) if raw else None
 
     def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
-        reply = self.call("/collective_rpc", {"method": RPC_METHOD, "args": [json.dumps({"op": op, **args})]})
+        reply = self.call("/collective_rpc", {"method": RPC_METHOD, "args": [self.request(op, args)]})
         results = (reply or {}).get("results")
         if not isinstance(results, list):
             raise DcrError(f"{self.url}: unexpected reply to collective_rpc: {str(reply)[:200]}")
@@ -173,7 +185,7 @@ class InProcessEngine(Engine):
 
     def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
         try:
-            results = self.llm.collective_rpc(RPC_METHOD, args=(json.dumps({"op": op, **args}),))
+            results = self.llm.collective_rpc(RPC_METHOD, args=(self.request(op, args),))
         except NotImplementedError:
             raise DcrError("the dcr vLLM plugin is not loaded in this process (vllm.general_plugins)") from None
         return _answers(results)
@@ -202,9 +214,56 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     Whatever fails after the pause, the engine is resumed if no rank wrote anything, else left
     paused with a message that says so; a retry of the same command closes the update session an
     interrupted client left open (without a version) and finishes the apply exactly.
+
+    The client claims the engine first and releases it at the end: a second client that applies
+    another delta meanwhile is refused (exit 3) before it touches anything; a re-run of the same
+    delta takes the claim over (backend.py).
     """
     location = delta_location(delta)
     opened = delta if isinstance(delta, Delta) else Delta.open(location)
+    _claim(engine, opened.id)
+    try:
+        return _apply_claimed(engine, location, opened, log)
+    finally:
+        _release(engine)
+
+
+def _claim(engine: Engine, delta_id: str) -> None:
+    """Claim the engine for this client, or fail if another client is updating it (before anything is touched)."""
+    engine.token = uuid.uuid4().hex
+    try:
+        answers = engine.rpc("claim", delta=delta_id, lease=CLAIM_LEASE_S)
+    except DcrError as exc:
+        engine.token = None
+        if "unknown dcr_rpc op" in str(exc):
+            raise IncompatibleError(
+                "the dcr plugin in the vLLM server's environment is older than this client (it cannot be "
+                "claimed); install the same dcr version there and restart the server"
+            ) from None
+        raise
+    held = [a for a in answers if not a.get("claimed")]
+    if held:
+        _release(engine)  # the ranks that did grant it
+        other = held[0]
+        raise ConflictError(
+            f"another dcr apply is updating this engine (delta {str(other.get('delta'))[:16]}…, last active "
+            f"{float(other.get('idle', 0)):.0f} s ago); wait for it to finish, then re-run (a client that died "
+            f"loses its claim after {float(other.get('lease', CLAIM_LEASE_S)):.0f} s without a call)"
+        )
+
+
+def _release(engine: Engine) -> None:
+    if engine.token is None:
+        return
+    try:
+        engine.rpc("release")
+    except Exception:
+        pass  # the claim lapses with its lease
+    finally:
+        engine.token = None
+
+
+def _apply_claimed(engine: Engine, location: str, opened: Delta, log: Callable[[str], None] | None) -> dict[str, Any]:
     target = opened.manifest.target.version
     started = time.perf_counter()
     answers = engine.rpc("prepare", delta=location)  # raises before anything is touched
