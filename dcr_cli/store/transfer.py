@@ -33,7 +33,7 @@ from .._version import __version__
 from ..delta.prefetch import BlockFetcher, MissingBlock
 from ..delta.reader import STORE_MANIFESTS, Delta
 from ..delta.source import CHUNK_BYTES, BlockSource
-from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
+from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError, NotReadyError
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
 from ..io.files import fsync_dir, write_atomic
@@ -42,6 +42,7 @@ from .backends import S3_PART_BYTES
 from .repo import (
     BLOCKS,
     CHILDREN,
+    COMPLETE,
     MANIFESTS,
     VERSIONS,
     Listing,
@@ -325,6 +326,8 @@ def push(
             )
         uploader.upload(lost_blocks, counted=True)
         sent.update((b.id, b) for b in lost_blocks)
+    # Every block is up: from now on a missing repair block of this version is damage, not a pending upload.
+    store.put(f"{COMPLETE}/{version}", b"")
     result.repair_uploaded_blocks = len(sent)
     result.repair_uploaded_bytes = sum(b.size for b in sent.values())
     result.uploaded_blocks += len(sent)
@@ -424,6 +427,33 @@ def _local_block_chunks(source: Delta, block: BlockEntry, chunk_bytes: int = CHU
         raise IntegrityError(
             f"{source.label}: block {block.id[:16]}… is corrupt; nothing corrupt was published"
         ) from None
+
+
+# -- repair blocks on the store ----------------------------------------------------------------------------------------
+
+
+def missing_repair_blocks(store: Store, manifest: Manifest, workers: int = DEFAULT_WORKERS) -> list[BlockEntry]:
+    """The blocks only repairs read that the store lacks (or holds with the wrong size), asked one by one."""
+    _data, repair = split_roles(manifest)
+    found = stat_blocks(store, repair, workers) if repair else {}
+    return [b for b in repair if (e := found[b.id]) is None or e.size != b.size]
+
+
+def require_repair_blocks(
+    store: Store, record: VersionRecord, manifest: Manifest, then: str, workers: int = DEFAULT_WORKERS
+) -> None:
+    """Refuse (NotReadyError, exit 4) a version whose repair blocks are not all on the store yet.
+
+    A push publishes a version before its repair blocks (store-v1 §4.1), so a version may be visible
+    while they are still going up, or lack them for good if that push was stopped after publishing.
+    """
+    missing = missing_repair_blocks(store, manifest, workers)
+    if missing:
+        raise NotReadyError(
+            f"{store.url}: {len(missing)} repair block(s) of version {record.version!r} are not on the store yet "
+            f"(e.g. {missing[0].id[:16]}…): the producer's dcr push is still uploading them or was stopped after "
+            f"publishing; wait for it to finish, or re-run dcr push DELTA {store.url}, then {then}"
+        )
 
 
 # -- choosing a version ------------------------------------------------------------------------------------------------
@@ -542,10 +572,22 @@ def pull_since(
     store = Store(url, storage_options)
     store.require_marker()
     records = chain_between(store, since, version)
+    if repair:
+        check_repairs(store, records, workers)
     if on_total is not None:
         on_total(_transfer_bytes(records, repair))
     limiter = RateLimit(limit_rate) if limit_rate else None
-    return [_pull_record(store, r, Path(out_dir) / r.version, workers, progress, limiter, repair) for r in records]
+    return [
+        _pull_record(store, r, Path(out_dir) / r.version, workers, progress, limiter, repair, repairs_checked=True)
+        for r in records
+    ]
+
+
+def check_repairs(store: Store, records: list[VersionRecord], workers: int = DEFAULT_WORKERS) -> None:
+    """Every one of these versions has all its repair blocks on the store (checked before a pull writes anything)."""
+    for record in records:
+        manifest = parse_manifest(store.manifest_bytes(record))
+        require_repair_blocks(store, record, manifest, "pull again", workers)
 
 
 def _pull_record(
@@ -556,6 +598,7 @@ def _pull_record(
     progress: Progress | None,
     limiter: RateLimit | None,
     repair: bool,
+    repairs_checked: bool = False,
 ) -> PullResult:
     raw = store.manifest_bytes(record)  # checked against the digest in the version record
     manifest = parse_manifest(raw)
@@ -596,6 +639,8 @@ def _pull_record(
     done = already_pulled()
     if done is not None:
         return done
+    if repair and not repairs_checked:  # before anything is written: a pull that cannot finish starts nothing
+        require_repair_blocks(store, record, manifest, "pull again", workers)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial"
