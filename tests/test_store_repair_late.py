@@ -21,11 +21,11 @@ import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
 from store_fixtures import S3Endpoint, big_delta, json_out, run_dcr, spawn_dcr
 
-import dcr_cli
+from dcr_cli.api import apply
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import NotReadyError
 from dcr_cli.receive.checkpoint import inplace
-from dcr_cli.store import Store, check, gc, pull, push
+from dcr_cli.store import Store, acknowledge, check, commit, gc, pull, push
 from dcr_cli.store.keyframes import compact, publish_keyframe
 from dcr_cli.store.transfer import PushResult, missing_repair_blocks, split_roles
 
@@ -60,7 +60,7 @@ def test_a_version_is_published_and_applied_before_its_repair_blocks_go_up(
         assert all(_present(store, b.id) for b in data_blocks)
         assert not any(_present(store, b.id) for b in repair_blocks)  # they follow the record
         # A receiver applies the version now, from the store, bit-exactly.
-        applied = dcr_cli.apply(url, into=receiver, version="v1", storage_options=opts)
+        applied = apply(url, into=receiver, version="v1", storage_options=opts)
         assert applied.version == "v1" and read_raw(receiver) == read_raw(tmp_path / "big-c1")
         # What needs the repair blocks refuses, writing nothing; check says "pending", not damage.
         with pytest.raises(NotReadyError, match=r"repair block.*not on the store yet.*re-run dcr push"):
@@ -92,7 +92,7 @@ def _tear(receiver: Path, url: str, opts: dict[str, Any], monkeypatch: pytest.Mo
 
     monkeypatch.setattr(inplace, "_write_values", write)
     with pytest.raises(OSError):
-        dcr_cli.apply(url, into=receiver, version="v1", storage_options=opts, workers=1)
+        apply(url, into=receiver, version="v1", storage_options=opts, workers=1)
     monkeypatch.undo()
 
 
@@ -143,8 +143,8 @@ def test_a_push_killed_after_publishing_is_finished_by_running_it_again(
     assert read_raw(torn) == before
 
     # Squashing (dcr compact) needs target values: refused before anything is written.
-    dcr_cli.acknowledge(url, "v1", "r0", storage_options=opts)
-    dcr_cli.commit(url, "v1", receivers=["r0"], storage_options=opts)
+    acknowledge(url, "v1", "r0", storage_options=opts)
+    commit(url, "v1", receivers=["r0"], storage_options=opts)
     publish_keyframe(url, tmp_path / "big-c0", version="v0", storage_options=opts)
     with pytest.raises(NotReadyError, match=r"repair block.*of version 'v1'.*dcr compact"):
         compact(url, every=1, storage_options=opts)
@@ -160,7 +160,7 @@ def test_a_push_killed_after_publishing_is_finished_by_running_it_again(
     report = check(url, read_data=True, storage_options=opts)
     assert report.ok and report.repair_pending == {}
     assert pull(url, tmp_path / "got", storage_options=opts, repair=True).blocks == len(data_blocks + repair_blocks)
-    result = dcr_cli.apply(url, into=torn, version="v1", storage_options=opts)
+    result = apply(url, into=torn, version="v1", storage_options=opts)
     assert result.steps[0].repaired >= 1 and read_raw(torn) == read_raw(tmp_path / "big-c1")
     assert compact(url, every=1, storage_options=opts).published == ["v0..v1"]
     assert push(delta, url, storage_options=opts).uploaded_blocks == 0
@@ -184,8 +184,8 @@ def test_gc_between_publication_and_the_repair_upload_keeps_the_repair_blocks(tm
     url = str(tmp_path / "store")
     for i, d in enumerate(ds[:2], start=1):
         push(d, url)
-        dcr_cli.acknowledge(url, f"v{i}", "r")
-        dcr_cli.commit(url, f"v{i}", receivers=["r"])
+        acknowledge(url, f"v{i}", "r")
+        commit(url, f"v{i}", receivers=["r"])
     long_ago = time.time() - 7200
     for block in (tmp_path / "store" / "blocks").iterdir():
         os.utime(block, (long_ago, long_ago))
