@@ -236,3 +236,32 @@ def test_check_tells_a_pending_repair_upload_from_lost_repair_blocks(tmp_path: P
     assert not report.ok and report.repair_pending == {}
     checked = run_dcr("check", url)
     assert checked.returncode == 1 and "repair block" in checked.stderr
+
+
+def test_a_failed_repair_upload_says_the_version_is_published_and_how_to_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcr_cli.errors import DcrError
+    from dcr_cli.store import repo
+
+    delta = big_delta(tmp_path, sparse=True)
+    _data, repair = split_roles(Delta.open(delta).manifest)
+    repair_ids = {b.id for b in repair}
+    url = str(tmp_path / "store")
+    real = repo.Store.put_chunks
+
+    def failing(self: repo.Store, rel: str, chunks: Any) -> None:
+        if rel.removeprefix("blocks/") in repair_ids:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(self, rel, chunks)
+
+    monkeypatch.setattr(repo.Store, "put_chunks", failing)
+    with pytest.raises(DcrError, match=r"v1 is published \(receivers can apply it\).*re-run dcr push DELTA") as info:
+        push(delta, url)
+    assert info.value.exit_code == 2
+    monkeypatch.undo()
+    store = Store(url)
+    assert store.version("v1") is not None and not store.exists("complete/v1")
+    assert check(url).repair_pending == {"v1": len(repair)}
+    again = push(delta, url)
+    assert again.already_published and again.repair_uploaded_blocks == len(repair) and store.exists("complete/v1")

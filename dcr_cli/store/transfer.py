@@ -310,24 +310,19 @@ def push(
     # records after this point keeps them (§4.4); an old one that is present is written again, as the
     # data blocks were, for a gc that decided before the record existed; and each is asked about once
     # more after the upload and sent again if such a gc removed it meanwhile.
-    r_missing, r_kept, r_refreshed = uploader.plan(repair_blocks, verify_remote, refresh=existing is None)
-    uploader.upload(r_missing)
-    uploader.upload(r_refreshed, counted=True)
-    sent = {b.id: b for b in r_missing}
-    for round_ in range(REPAIR_ROUNDS + 1):
-        after = stat_blocks(store, repair_blocks, workers) if repair_blocks else {}
-        lost_blocks = [b for b in repair_blocks if (e := after[b.id]) is None or e.size != b.size]
-        if not lost_blocks:
-            break
-        if round_ == REPAIR_ROUNDS:
-            raise ConflictError(
-                f"{url}: repair block {lost_blocks[0].id[:16]}… of {version!r} keeps vanishing (a concurrent "
-                "dcr gc?); the version is published; re-run dcr push to finish uploading its repair blocks"
-            )
-        uploader.upload(lost_blocks, counted=True)
-        sent.update((b.id, b) for b in lost_blocks)
-    # Every block is up: from now on a missing repair block of this version is damage, not a pending upload.
-    store.put(f"{COMPLETE}/{version}", b"")
+    try:
+        r_kept, r_refreshed, sent = _upload_repairs(store, uploader, repair_blocks, verify_remote, existing is None)
+        # Every block is up: from now on a missing repair block of this version is damage, not a pending upload.
+        store.put(f"{COMPLETE}/{version}", b"")
+    except ConflictError:
+        raise
+    except (DcrError, OSError) as exc:
+        error = DcrError(
+            f"{url}: version {version} is published (receivers can apply it), but uploading its repair blocks "
+            f"failed ({exc}); re-run dcr push DELTA {url} to finish"
+        )
+        error.exit_code = getattr(exc, "exit_code", error.exit_code)
+        raise error from exc
     result.repair_uploaded_blocks = len(sent)
     result.repair_uploaded_bytes = sum(b.size for b in sent.values())
     result.uploaded_blocks += len(sent)
@@ -338,6 +333,29 @@ def push(
     result.repair_s = time.monotonic() - started - published_s
     result.repair_pending = False
     return result
+
+
+def _upload_repairs(
+    store: Store, uploader: _Uploader, repair_blocks: list[BlockEntry], verify_remote: bool, refresh: bool
+) -> tuple[list[BlockEntry], list[BlockEntry], dict[str, BlockEntry]]:
+    """Upload the repair blocks after publication (§4.1 step 8); (kept, refreshed, sent)."""
+    r_missing, r_kept, r_refreshed = uploader.plan(repair_blocks, verify_remote, refresh=refresh)
+    uploader.upload(r_missing)
+    uploader.upload(r_refreshed, counted=True)
+    sent = {b.id: b for b in r_missing}
+    for round_ in range(REPAIR_ROUNDS + 1):
+        after = stat_blocks(store, repair_blocks, uploader.workers) if repair_blocks else {}
+        lost_blocks = [b for b in repair_blocks if (e := after[b.id]) is None or e.size != b.size]
+        if not lost_blocks:
+            break
+        if round_ == REPAIR_ROUNDS:
+            raise ConflictError(
+                f"{store.url}: repair block {lost_blocks[0].id[:16]}… keeps vanishing after its upload (a "
+                "concurrent dcr gc?); the version is published; re-run dcr push to finish uploading its repair blocks"
+            )
+        uploader.upload(lost_blocks, counted=True)
+        sent.update((b.id, b) for b in lost_blocks)
+    return r_kept, r_refreshed, sent
 
 
 class _Uploader:
