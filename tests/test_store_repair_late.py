@@ -223,6 +223,9 @@ def test_check_tells_a_pending_repair_upload_from_lost_repair_blocks(tmp_path: P
     report = check(url)
     assert not report.ok and report.repair_pending == {}
     assert any(p.startswith(f"repair block {repair[0].id[:16]}") for p in report.problems)
+    with pytest.raises(IntegrityError, match="is missing from the store"):  # lost, not pending
+        pull(url, tmp_path / "got", repair=True)
+    assert not list(tmp_path.glob("*got*"))
 
     (tmp_path / "store" / "complete" / "v1").unlink()  # the push had not finished
     report = check(url)

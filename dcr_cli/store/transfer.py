@@ -466,6 +466,11 @@ def require_repair_blocks(
     while they are still going up, or lack them for good if that push was stopped after publishing.
     """
     missing = missing_repair_blocks(store, manifest, workers)
+    if missing and (record.minor < 1 or store.exists(f"{COMPLETE}/{record.version}")):
+        raise IntegrityError(  # its push had uploaded every block: this one was lost since
+            f"{store.url}: repair block {missing[0].id[:16]}… of version {record.version!r} is missing from the "
+            f"store ({len(missing)} such); restore it with dcr push DELTA {store.url}, then {then}"
+        )
     if missing:
         raise NotReadyError(
             f"{store.url}: {len(missing)} repair block(s) of version {record.version!r} are not on the store yet "
