@@ -23,7 +23,7 @@ from store_fixtures import S3Endpoint, big_delta, json_out, run_dcr, spawn_dcr
 
 from dcr_cli.api import apply
 from dcr_cli.delta.reader import Delta
-from dcr_cli.errors import NotReadyError
+from dcr_cli.errors import IntegrityError, NotReadyError
 from dcr_cli.receive.checkpoint import inplace
 from dcr_cli.store import Store, acknowledge, check, commit, gc, pull, push
 from dcr_cli.store.keyframes import compact, publish_keyframe
