@@ -703,11 +703,14 @@ def report(r: Refit) -> None:
         f"| commit {st['commit']:.2f} s"
     )
     if r.extra.get("repair_uploaded_after_publication"):
+        after = r.extra["repair_tail_after_commit_s"]
+        ends = (
+            f"{after:.2f} s after the commit" if after > 0 else f"before the commit ({r.critical:.2f} s): wholly hidden"
+        )
         print(
             f"    repair upload after publication: {mib(r.extra['repair_uploaded_after_publication'])} in "
-            f"{r.extra['repair_tail_s']:.2f} s, overlapping the receivers (off the critical path; the producer "
-            f"exits {r.extra['repair_tail_after_commit_s']:.2f} s after the commit, "
-            f"at {r.extra['producer_exit_s']:.2f} s)"
+            f"{r.extra['repair_tail_s']:.2f} s, overlapping the receivers (off the critical path); the producer "
+            f"exits at {r.extra['producer_exit_s']:.2f} s, {ends}"
         )
     print(
         f"    transport: push + pull {r.transport_measured:.2f} s = "
