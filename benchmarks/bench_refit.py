@@ -37,6 +37,11 @@ every receiver downloads it at once (benchmarks/reference.py). At 100 Mbit/s thi
 by default only the first --reference-sample-mib MiB are sent and the time is scaled by full/sample
 (transport-only time is proportional to the bytes; 0 sends everything).
 
+The receivers start the moment the producer's push says the version is published (a line on stderr;
+store-v1 §4.1: data blocks, manifest, record), not when it exits: the repair blocks go up after that,
+overlapping the receivers, and their upload (the producer's tail) is printed on its own line. The
+critical path is the publication plus the receivers plus the commit.
+
 Printed per refit: the stages of the critical path, transport's share of it (measured push + pull,
 and the link floor: bytes moved / rate), the ratio reference/dcr next to the compression ratio
 (full bytes / bytes a receiver downloads) and the targets of issue 12 §4; at the end a summary table
@@ -69,7 +74,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import corpus  # noqa: E402
-from harness import REPO, Memory, Proc, dcr, env_with_repo, mib, run  # noqa: E402
+from harness import REPO, Memory, Proc, _memory, dcr, env_with_repo, mib, run  # noqa: E402
 
 KEY_ID = "AKIADCRBENCHKEY00000"
 SECRET = "dcr-bench-secret-0123456789"
@@ -85,6 +90,91 @@ MOE_STEPS = {"moe3": corpus.Step("uniform", 0.03)}
 # dcr and the reference run with this client setting (dcr checks BLAKE3 digests of everything itself).
 CLIENT_ENV = {"AWS_REQUEST_CHECKSUM_CALCULATION": "when_required", "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required"}
 STAGES = ("diff", "push", "pull", "apply", "verify", "ack", "commit")
+# What dcr push (and dcr diff --push) prints on stderr the moment the version is visible; the repair
+# blocks go up after it (format_spec/store-v1.md §4.1), overlapping the receivers.
+PUBLISHED = "(repair blocks follow)"
+
+
+class Watched:
+    """A producer command that runs on while the receivers start: the moment it prints the PUBLISHED line
+    (or exits, for a dcr that prints none) is its publication; peak memory sampled as harness.run does."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
+        self.argv, self.name = argv, name
+        self.t0 = time.perf_counter()
+        self.published_at: float | None = None
+        self.event = threading.Event()
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.peak = [0, 0]
+        self.done = threading.Event()
+        self.ended = 0.0
+        self.code: int | None = None
+        self.exited = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._stdout, daemon=True),
+            threading.Thread(target=self._stderr, daemon=True),
+            threading.Thread(target=self._sample, daemon=True),
+            threading.Thread(target=self._reap, daemon=True),
+        ]
+        for th in self.threads:
+            th.start()
+
+    def _stdout(self) -> None:
+        assert self.proc.stdout is not None
+        self.out.append(self.proc.stdout.read())
+
+    def _stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line)
+            if PUBLISHED in line and self.published_at is None:
+                self.published_at = time.perf_counter()
+                self.event.set()
+
+    def _reap(self) -> None:
+        self.code = self.proc.wait()
+        self.ended = time.perf_counter()  # the exit itself, whenever the caller asks
+        self.exited.set()
+        self.event.set()
+
+    def _sample(self) -> None:
+        while not self.done.is_set():
+            anon, hwm = _memory(self.proc.pid)
+            self.peak[0], self.peak[1] = max(self.peak[0], anon), max(self.peak[1], hwm)
+            self.done.wait(0.005)
+
+    def wait_published(self) -> float:
+        """Seconds from the start until the version was visible (the exit, if it never said so)."""
+        self.event.wait()
+        if self.exited.is_set():  # its stderr may still hold the line; a failure is raised now
+            self.threads[1].join()
+            self.wait().check()
+            self.published_at = min(self.published_at or self.ended, self.ended)
+        assert self.published_at is not None
+        return self.published_at - self.t0
+
+    def wait(self) -> Proc:
+        self.exited.wait()
+        self.done.set()
+        for th in self.threads:
+            th.join()
+        assert self.code is not None
+        code = self.code
+        return Proc(
+            argv=self.argv,
+            seconds=self.ended - self.t0,
+            returncode=code,
+            stdout="".join(self.out),
+            stderr="".join(self.err),
+            peak_anon=self.peak[0],
+            hwm=self.peak[1],
+            started=self.t0,
+            name=self.name,
+        )
 
 
 # -- infrastructure: moto, proxies, stores ------------------------------------------------------------------------
@@ -358,18 +448,28 @@ def run_refit(
         return proc.check()
 
     t0 = time.perf_counter()
+    # The receivers start the moment the version is published; the producer's repair upload goes on
+    # meanwhile (its tail is printed apart: it is off the critical path).
     if producer_mode == "overlap":
-        d = record(run(dcr("diff", *diff_args, "--push", store_url), producer.env, name="diff --push"))
-        stages["diff"] = d.seconds
-        summary = json.loads(d.stdout)
-        pushed: dict[str, Any] = {"uploaded_bytes": summary["payload_bytes"] + summary["repair_bytes"]}
+        producing = Watched(dcr("diff", *diff_args, "--push", store_url), producer.env, "diff --push")
+        stages["diff"] = producing.wait_published()  # the diff, and the publication after it
     else:
         d = record(run(dcr("diff", *diff_args), producer.env, name="diff"))
         stages["diff"] = d.seconds
         summary = json.loads(d.stdout)
-        p = record(run(dcr("push", str(out), store_url, "--json", *producer.rate_flags), producer.env, name="push"))
-        stages["push"] = p.seconds
-        pushed = json.loads(p.stdout)
+        producing = Watched(
+            dcr("push", str(out), store_url, "--json", "--no-progress", *producer.rate_flags), producer.env, "push"
+        )
+        stages["push"] = producing.wait_published()
+    published = time.perf_counter()
+    # What a receiver downloads, before the producer's summary (printed at its exit) is there.
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from dcr_cli.format.manifest import MANIFEST_NAME, parse_manifest
+
+    raw_manifest = (out / MANIFEST_NAME).read_bytes()
+    manifest_bytes = len(raw_manifest)
+    payload_bytes = parse_manifest(raw_manifest).payload_bytes()
 
     results: dict[str, dict[str, Any]] = {}
     errors: list[BaseException] = []
@@ -388,13 +488,13 @@ def run_refit(
                     )
                 )
                 r["stages"]["pull"] = q.seconds
-                r["downloaded"] = json.loads(q.stdout)["downloaded_bytes"] + summary["manifest_bytes"]
+                r["downloaded"] = json.loads(q.stdout)["downloaded_bytes"] + manifest_bytes
                 source = [str(pulled)]
             else:
                 # Straight from the store: the blocks download while the first pass checks the items
                 # (each data block once, no repair block: tests/test_apply_from_store.py counts it).
                 pulled = None
-                r["downloaded"] = summary["payload_bytes"] + summary["manifest_bytes"]
+                r["downloaded"] = payload_bytes + manifest_bytes
                 source = [store_url, "--version", target]
             if mode == "oneshot":
                 # One process: apply from the store, re-digest every tensor, acknowledge.
@@ -456,7 +556,20 @@ def run_refit(
     names = [f"--receiver={n.name}" for n in link.nodes[1:]]
     c = record(run(dcr("commit", store_url, target, *names), producer.env, name="commit"))
     stages["commit"] = c.seconds
-    critical = time.perf_counter() - t0
+    committed = time.perf_counter()
+    critical = committed - t0
+    done = record(producing.wait())  # the repair blocks' upload, begun at the publication
+    tail = (producing.ended - published) if producing.ended > published else 0.0
+    after_commit = max(0.0, producing.ended - committed)
+    if producer_mode == "overlap":
+        summary = json.loads(done.stdout)
+        pushed = summary["push"]
+        uploaded_before = summary["payload_bytes"]  # data blocks during the diff; repair blocks after publication
+        repair_after = pushed.get("repair_uploaded_bytes", summary["repair_bytes"])
+    else:
+        pushed = json.loads(done.stdout)
+        repair_after = pushed.get("repair_uploaded_bytes", 0)  # 0: a dcr that uploads them before publishing
+        uploaded_before = pushed["uploaded_bytes"] - repair_after
     slowest = max(results.values(), key=lambda r: r["total"])
     for s in ("pull", "apply", "verify", "ack"):
         if s in slowest["stages"]:
@@ -474,11 +587,18 @@ def run_refit(
         manifest=summary["manifest_bytes"],
         repair=summary["repair_bytes"],
         changed_rate=summary["change_rate"],
-        uploaded=pushed["uploaded_bytes"] + summary["manifest_bytes"],
+        uploaded=uploaded_before + summary["manifest_bytes"],
         downloaded=slowest["downloaded"],
         rate=link.rate,
         receivers=len(receivers),
-        extra={"receiver_totals": {n: round(r["total"], 2) for n, r in results.items()}, "receiver_mode": mode},
+        extra={
+            "receiver_totals": {n: round(r["total"], 2) for n, r in results.items()},
+            "receiver_mode": mode,
+            "repair_tail_s": round(tail, 2),  # publication -> producer exit: the repair upload
+            "repair_tail_after_commit_s": round(after_commit, 2),  # what of it outlasts the refit
+            "repair_uploaded_after_publication": repair_after,
+            "producer_exit_s": round(producing.ended - t0, 2),
+        },
     )
 
 
@@ -582,6 +702,16 @@ def report(r: Refit) -> None:
         f"    critical path {r.critical:.2f} s = producer {producer} | slowest receiver {receiver} "
         f"| commit {st['commit']:.2f} s"
     )
+    if r.extra.get("repair_uploaded_after_publication"):
+        after = r.extra["repair_tail_after_commit_s"]
+        ends = (
+            f"{after:.2f} s after the commit" if after > 0 else f"before the commit ({r.critical:.2f} s): wholly hidden"
+        )
+        print(
+            f"    repair upload after publication: {mib(r.extra['repair_uploaded_after_publication'])} in "
+            f"{r.extra['repair_tail_s']:.2f} s, overlapping the receivers (off the critical path); the producer "
+            f"exits at {r.extra['producer_exit_s']:.2f} s, {ends}"
+        )
     print(
         f"    transport: push + pull {r.transport_measured:.2f} s = "
         f"{r.transport_measured / r.critical:.0%} of the critical path"

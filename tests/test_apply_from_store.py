@@ -52,17 +52,25 @@ def test_apply_from_s3_store_with_ack_then_commit(s3_endpoint: S3Endpoint, s3_ur
 def test_diff_push_overlaps_upload_and_publishes(s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path) -> None:
     env = s3_endpoint.env()
     ckpts, _ = make_deltas(tmp_path / "src", 1)
-    out = json_out(
-        run_dcr(
-            *diff_args(ckpts[0], ckpts[1], tmp_path / "d1", "v0", "v1"),
-            "--push",
-            s3_url,
-            "--json",
-            env=env,
-        )
+    proc = run_dcr(
+        *diff_args(ckpts[0], ckpts[1], tmp_path / "d1", "v0", "v1"),
+        "--push",
+        s3_url,
+        "--json",
+        env=env,
     )
-    # Every block went up while the diff ran; the push afterwards found them all in place.
-    assert out["push"]["uploaded_blocks"] == 0 and out["push"]["present_blocks"] > 0
+    out = json_out(proc)
+    from dcr_cli.delta.reader import Delta
+    from dcr_cli.store.transfer import split_roles
+
+    data_blocks, repair_blocks = split_roles(Delta.open(tmp_path / "d1").manifest)
+    assert data_blocks and repair_blocks
+    # Every data block went up while the diff ran; the push afterwards found them all in place, published,
+    # and only then uploaded the repair blocks (store-v1 §4.1), saying so on stderr the moment it published.
+    assert out["push"]["present_blocks"] == len(data_blocks) > 0
+    assert out["push"]["uploaded_blocks"] == out["push"]["repair_uploaded_blocks"] == len(repair_blocks)
+    assert out["push"]["repair_blocks"] == len(repair_blocks) and not out["push"]["repair_pending"]
+    assert f"{s3_url}: published v1 (repair blocks follow)" in proc.stderr.splitlines()
     assert [e["version"] for e in json_out(run_dcr("log", s3_url, "--json", env=env))] == ["v1"]
     pulled = json_out(run_dcr("pull", s3_url, "-o", str(tmp_path / "got"), "--json", env=env))
     assert pulled["version"] == "v1"

@@ -366,6 +366,7 @@ def test_racing_pushes_meet_at_the_create_only_record(s3_endpoint: S3Endpoint, s
     from store_fixtures import step, write_checkpoint
 
     from dcr_cli.produce import diff
+    from dcr_cli.store.transfer import split_roles
 
     ckpts, (d1,) = make_deltas(tmp_path, 1)
     rival = write_checkpoint(tmp_path / "rival", step(load_file(str(ckpts[0] / "model.safetensors")), 5))
@@ -376,14 +377,17 @@ def test_racing_pushes_meet_at_the_create_only_record(s3_endpoint: S3Endpoint, s
 
     def pusher(i: int) -> None:
         delta = Delta.open(candidates[i])
-        total = sum(b.size for b in {b.id: b for b in delta.manifest.blocks}.values())
+        data_blocks, _repair_blocks = split_roles(delta.manifest)  # repair blocks go up after publication
+        total = sum(b.size for b in data_blocks)
         done = [0]
+        waited = [False]
         lock = threading.Lock()
 
-        def progress(n: int) -> None:  # the last upload waits for the rival's: both then publish at once
+        def progress(n: int) -> None:  # the last data upload waits for the rival's: both then publish at once
             with lock:
                 done[0] += n
-                last = done[0] == total
+                last = done[0] == total and not waited[0]
+                waited[0] = waited[0] or last
             if last:
                 barrier.wait()
 

@@ -29,7 +29,9 @@ def command(
 ) -> None:
     """Check the store at URL: structure, missing blocks, leftovers of killed pushes, and (optionally) bytes.
 
-    Exit 1 if anything is damaged; leftovers alone are reported with exit 0 (dcr gc removes them).
+    Exit 1 if anything is damaged; leftovers alone are reported with exit 0 (dcr gc removes them), and so
+    are the repair blocks a push uploads after publishing a version (still going up, or that push was
+    stopped: re-run it).
     """
     from ..store import check
     from ..store.audit import parse_subset
@@ -54,6 +56,12 @@ def command(
             say(
                 f"unreferenced (killed pushes or dropped versions; dcr gc removes them): "
                 f"{len(result.unreferenced_blocks)} blocks, {len(result.unreferenced_manifests)} manifests"
+            )
+        for version, count in sorted(result.repair_pending.items()):
+            say(
+                f"repair upload pending or interrupted: {version} lacks {count} repair block(s) (not damage: a "
+                f"receiver's normal apply does not read them); if its dcr push is not running, re-run "
+                f"dcr push DELTA {url}"
             )
         for problem in result.problems:
             say(f"problem: {problem}", err=True)

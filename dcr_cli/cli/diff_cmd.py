@@ -142,11 +142,18 @@ def command(
             progress_total=set_total,
         )
     pushed = None
-    if uploader is not None:
+    if uploader is not None and push_url is not None:
         from ..store import push
+        from ..store.transfer import PushResult
 
         uploader.wait()
-        pushed = push(out, push_url, storage_options=parse_storage_options(storage_option))  # type: ignore[arg-type]
+
+        def published(result: PushResult) -> None:
+            if result.repair_pending:  # receivers can start now; the repair blocks go up after publication
+                say(f"{push_url}: published {result.version} (repair blocks follow)", err=True)
+
+        options = parse_storage_options(storage_option)
+        pushed = push(out, push_url, storage_options=options, on_published=published)
     if summary is None:
         from ..delta.parts import part_dir, try_assemble_last
 
@@ -172,7 +179,8 @@ def command(
     if pushed is not None and uploader is not None:
         say(
             f"{push_url}: published {pushed.version} (base {pushed.base}); {uploader.uploaded_blocks} blocks "
-            f"uploaded during the diff, {pushed.uploaded_blocks} after it"
+            f"uploaded during the diff, {pushed.uploaded_blocks} after it ({pushed.repair_uploaded_blocks} repair "
+            "blocks, after publication)"
         )
 
 

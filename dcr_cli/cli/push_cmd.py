@@ -42,8 +42,17 @@ def command(
 
     The version label is the delta's target version. Re-running after a kill
     uploads only the rest; re-running after success changes nothing.
+
+    Data blocks, manifest and version record go first: the moment the version
+    is visible, one line on stderr says so (receivers can start then); the
+    repair blocks follow, and dcr push exits once they are uploaded too.
     """
     from ..store import push
+    from ..store.transfer import PushResult
+
+    def published(result: PushResult) -> None:
+        if result.repair_pending:
+            say(f"{url}: published {result.version} (repair blocks follow)", err=True)
 
     with sized_progress("push", progress) as (on_total, advance):
         result = push(
@@ -56,6 +65,7 @@ def command(
             limit_rate=parse_rate(limit_rate),
             allow_unsafe_publish=allow_unsafe_publish,
             verify_remote=verify_remote,
+            on_published=published,
         )
     if as_json:
         emit_json(result.to_json())
@@ -68,7 +78,13 @@ def command(
             if result.refreshed_blocks
             else ""
         )
+        repair = (
+            f"; {result.repair_uploaded_blocks} of them repair blocks "
+            f"({human_bytes(result.repair_uploaded_bytes)}), uploaded after publication"
+            if result.repair_uploaded_blocks
+            else ""
+        )
         say(
             f"{url}: published {result.version} (base {result.base}): uploaded {result.uploaded_blocks} blocks "
-            f"({human_bytes(result.uploaded_bytes)}), {result.present_blocks} already there{refreshed}"
+            f"({human_bytes(result.uploaded_bytes)}), {result.present_blocks} already there{refreshed}{repair}"
         )

@@ -30,6 +30,9 @@ CHUNK_BYTES = 16 << 20  # one ranged read while a whole block is verified
 class BlockSource:
     """Blocks under ``<root>/blocks/`` of an fsspec filesystem."""
 
+    # What a receiver is told to do when a torn item needs a repair block this source does not have.
+    missing_repair_advice = "fetch the delta with its repair blocks and re-run"
+
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, label: str | None = None) -> None:
         self.fs = fs
         self.root = root.rstrip("/") or root

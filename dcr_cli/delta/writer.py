@@ -78,7 +78,8 @@ class DeltaWriter:
         major: int = FORMAT_MAJOR,
     ) -> None:
         """``on_block(id, data)`` is called with every block as soon as it is on disk (e.g. to start its
-        upload while the rest of the delta is still being computed). ``major`` is the delta format major
+        upload while the rest of the delta is still being computed); only with the blocks of the roles
+        in ``on_block.roles`` if it has that attribute. ``major`` is the delta format major
         written (it decides the section digests, so it is fixed before the first section)."""
         self.out = Path(out)
         self.major = major
@@ -109,7 +110,9 @@ class DeltaWriter:
                 f.flush()
                 os.fsync(f.fileno())
         self._blocks.append(BlockEntry(block_id, len(data), role))
-        if self.on_block is not None:
+        # A callback may name the roles it wants (``on_block.roles``, e.g. ("data",)): dcr diff --push
+        # uploads repair blocks only after publication (store-v1 §4.1).
+        if self.on_block is not None and role in getattr(self.on_block, "roles", (role,)):
             self.on_block(block_id, data)
         return len(self._blocks) - 1
 

@@ -5,7 +5,12 @@ chain is sound, every published manifest is intact and every block it lists is
 present with its size. ``read_data`` downloads blocks and checks their
 digests, all of them or a random sample. Objects no published version
 references (left by a killed push, or by a version gc dropped) are reported,
-not treated as damage.
+not treated as damage. Nor are the absent repair blocks of a version whose push
+has not marked it complete (store-v1 §4.1: they go up after the version record,
+so a push may be uploading them right now, or was stopped after publishing):
+they are reported apart, with the fix (re-run dcr push). Absent repair blocks
+of a version marked complete, or published by a 1.0 writer (which uploaded
+every block before the record), are damage.
 """
 
 from __future__ import annotations
@@ -19,7 +24,18 @@ from typing import Any
 from ..errors import DcrError
 from ..format.manifest import BlockEntry, parse_manifest
 from .backends import TMP_PREFIX
-from .repo import BLOCKS, COMMITS, MANIFESTS, VERSIONS, CommitRecord, Ref, Store, StoreBlockSource, VersionRecord
+from .repo import (
+    BLOCKS,
+    COMMITS,
+    COMPLETE,
+    MANIFESTS,
+    VERSIONS,
+    CommitRecord,
+    Ref,
+    Store,
+    StoreBlockSource,
+    VersionRecord,
+)
 from .transfer import DEFAULT_WORKERS, block_intact, parallel
 
 
@@ -36,6 +52,9 @@ class CheckResult:
     unavailable_versions: list[str] = field(default_factory=list)  # manifest removed by gc
     unreferenced_blocks: list[str] = field(default_factory=list)
     unreferenced_manifests: list[str] = field(default_factory=list)
+    # version -> repair blocks absent while its push has not marked it complete (uploading, or stopped after
+    # publishing: re-run dcr push); not damage
+    repair_pending: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -88,6 +107,8 @@ def check(
 
     manifest_names = {e.name for e in store.list(MANIFESTS)}
     blocks = {e.name: e.size for e in store.list(BLOCKS)}
+    complete = {e.name for e in store.list(COMPLETE)}
+    repair_pending: dict[str, int] = {}
     referenced: dict[str, int] = {}
     unavailable: list[str] = []
     checked = 0
@@ -113,10 +134,16 @@ def check(
         ):
             problems.append(f"the manifest of version {record.version!r} does not match its version record")
         checked += 1
+        data_ids = {b.id for b in manifest.blocks if b.role == "data"}
+        # Repair blocks follow the record (1.1): absent ones are a pending upload until the push marks it complete.
+        may_lack_repair = record.minor >= 1 and record.version not in complete
         for block in manifest.blocks:
             referenced[block.id] = block.size
-            if block.id not in blocks:
-                problems.append(f"block {block.id[:16]}… of version {record.version!r} is missing")
+            if block.id not in blocks and may_lack_repair and block.id not in data_ids:
+                repair_pending[record.version] = repair_pending.get(record.version, 0) + 1
+            elif block.id not in blocks:
+                kind = "repair block" if block.id not in data_ids else "block"
+                problems.append(f"{kind} {block.id[:16]}… of version {record.version!r} is missing")
             elif blocks[block.id] != block.size:
                 problems.append(
                     f"block {block.id[:16]}… of version {record.version!r} has {blocks[block.id]} bytes, "
@@ -136,6 +163,7 @@ def check(
         unavailable_versions=unavailable,
         unreferenced_blocks=sorted(name for name in blocks if name not in referenced),
         unreferenced_manifests=sorted(name for name in manifest_names if name not in published),
+        repair_pending=repair_pending,
     )
 
     if read_data or subset is not None:

@@ -36,7 +36,15 @@ from ..format.digest import StreamingDigest, is_digest
 from ..format.manifest import MANIFEST_NAME, fingerprint, parse_manifest
 from ..io.files import fsync_dir
 from .repo import BLOCKS, MANIFESTS, STORE_MAJOR, STORE_MINOR, Ref, Store, VersionRecord, check_label, dumps, utc_now
-from .transfer import RateLimit, _pull_record, open_record, resolve, version_record
+from .transfer import (
+    RateLimit,
+    _pull_record,
+    check_repairs,
+    open_record,
+    require_repair_blocks,
+    resolve,
+    version_record,
+)
 
 KEYFRAMES = "keyframes"
 SHORTCUTS = "shortcuts"
@@ -314,6 +322,16 @@ def compact(
     names = [c.version for c in store.commits_after(frame.version)]
     result = CompactResult(url, frame.version)
     have = {(s.record.base.version, s.record.version): s for s in shortcuts(store)}
+    # Squashing reads target values from the repair blocks, which a push uploads after publishing the
+    # version (store-v1 §4.1): every version to squash must have them all before anything is written.
+    start = 0
+    for j in range(every, len(names) + 1, every):
+        if (frame.version, names[j - 1]) not in have:
+            for name in names[start:j]:
+                record = store.require_version(name)
+                manifest = parse_manifest(store.manifest_bytes(record))
+                require_repair_blocks(store, record, manifest, f"run dcr compact {url} --every {every} again")
+        start = j
     previous: Delta | None = None
     done = 0
     with tempfile.TemporaryDirectory(prefix=".dcr-compact-") as tmp:
@@ -476,6 +494,8 @@ def pull_plan(
 ) -> list[str]:
     """Fetch a plan's steps into ``out_dir``: ``keyframe-<v>/`` (a checkpoint) and one delta per step."""
     store = Store(url, storage_options)
+    if repair:  # before anything is written
+        check_repairs(store, [s.record for s in the_plan.steps if s.record is not None], workers)
     limiter = RateLimit(limit_rate) if limit_rate else None
     written: list[str] = []
     for s in the_plan.steps:
@@ -487,7 +507,11 @@ def pull_plan(
             continue
         assert s.record is not None
         name = s.target if s.kind == "chain" else f"shortcut-{s.base}-{s.target}"
-        written.append(_pull_record(store, s.record, Path(out_dir) / name, workers, None, limiter, repair).path)
+        written.append(
+            _pull_record(
+                store, s.record, Path(out_dir) / name, workers, None, limiter, repair, repairs_checked=True
+            ).path
+        )
     return written
 
 

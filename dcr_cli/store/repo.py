@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 STORE_FORMAT = "dcr.store"
 STORE_MAJOR = 1
-STORE_MINOR = 0
+STORE_MINOR = 1
 MARKER = "dcr-store.json"
 BLOCKS = "blocks"
 MANIFESTS = STORE_MANIFESTS
@@ -50,6 +50,7 @@ VERSIONS = "versions"
 ACKS = "acks"
 COMMITS = "commits"
 CHILDREN = "children"
+COMPLETE = "complete"  # complete/<version>: every block of the version, repair blocks included, is uploaded (1.1)
 LATEST = "latest.json"
 
 MAX_RECORD_BYTES = 1 << 20
@@ -138,6 +139,7 @@ class VersionRecord:
     blocks: int
     created: str
     producer: str = ""
+    minor: int = STORE_MINOR  # format_version minor it was written with: from 1.1 on, repair blocks follow the record
 
     KIND = "dcr.store.version"
 
@@ -147,6 +149,7 @@ class VersionRecord:
 
     def to_json(self) -> dict[str, Any]:
         obj = asdict(self)
+        del obj["minor"]
         obj.update(
             format=self.KIND,
             format_version=[STORE_MAJOR, STORE_MINOR],
@@ -178,6 +181,7 @@ class VersionRecord:
                 },
                 created=str(obj.get("created", "")),
                 producer=str(obj.get("producer", "")),
+                minor=int(obj["format_version"][1]),
             )
         except (KeyError, TypeError, ValueError, DcrError) as exc:
             raise FormatError(f"{where}: malformed version record ({exc})") from None
@@ -526,6 +530,12 @@ class Store:
 
 class StoreBlockSource(BlockSource):
     """A store's blocks, read with the store's retries and error wrapping."""
+
+    # A push publishes a version before its repair blocks (store-v1 §4.1).
+    missing_repair_advice = (
+        "the store lacks it: the producer's dcr push is still uploading repair blocks or was stopped after "
+        "publishing; wait for it to finish, or re-run dcr push DELTA URL, then re-run"
+    )
 
     def __init__(self, store: Store) -> None:
         super().__init__(store.fs, store.root, label=store.url)

@@ -1,9 +1,11 @@
 """Sending a delta while it is being built: blocks go to the store as soon as they are written.
 
 ``dcr diff --push URL`` hands every finished block to a BlockUploader, so uploads of early blocks
-overlap the diff of later tensors. When the diff is done, an ordinary ``push`` publishes the
-version: it finds the blocks already there and uploads only the manifest and the record, so all of
-its guarantees (base check, create-only publication, resume after a kill) stay as they are.
+overlap the diff of later tensors. Only data blocks: repair blocks (``roles``; the delta writer
+honours it) stay on local disk until the version is published. When the diff is done, an ordinary
+``push`` publishes the version: it finds the data blocks already there, uploads the manifest and the
+record, then the repair blocks (store-v1 §4.1), so all of its guarantees (base check, create-only
+publication, resume after a kill) stay as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from .transfer import PUSH_BUDGET_BYTES
 class BlockUploader:
     """Uploads blocks in the background; the diff waits (backpressure) while the blocks handed over and
     not yet uploaded hold ``budget`` bytes, so memory does not grow with workers x block size."""
+
+    roles = ("data",)  # what the delta writer hands over: repair blocks follow the publication instead
 
     def __init__(
         self,

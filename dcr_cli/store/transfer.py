@@ -1,8 +1,10 @@
 """Moving deltas to and from a store: ``push``, ``pull`` and opening a stored version in place.
 
-Push order is blocks -> manifest -> version record, so a version is visible
-only once everything it needs is on the store; the record is written
-create-only, which is what makes publication atomic. Pull verifies every byte
+Push order is data blocks -> manifest -> version record -> repair blocks, so a
+version is visible only once everything a receiver's normal apply reads is on
+the store, and the repair blocks (needed only by a receiver torn by a crash, by
+``pull --repair`` and by squashing) stay off the producer's critical path; the
+record is written create-only, which is what makes publication atomic. Pull verifies every byte
 against the manifest digests and only then renames the local directory into
 place, so a pulled delta is never half-valid. Pull downloads through the same
 fetcher as apply-from-store (delta/prefetch.py: parallel ranged reads, a bounded
@@ -23,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +33,7 @@ from .._version import __version__
 from ..delta.prefetch import BlockFetcher, MissingBlock
 from ..delta.reader import STORE_MANIFESTS, Delta
 from ..delta.source import CHUNK_BYTES, BlockSource
-from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError
+from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError, NotReadyError
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
 from ..io.files import fsync_dir, write_atomic
@@ -40,6 +42,7 @@ from .backends import S3_PART_BYTES
 from .repo import (
     BLOCKS,
     CHILDREN,
+    COMPLETE,
     MANIFESTS,
     VERSIONS,
     Listing,
@@ -141,12 +144,18 @@ class PushResult:
     base: str
     manifest: str
     blocks: int
-    uploaded_blocks: int
+    uploaded_blocks: int  # data and repair blocks together
     uploaded_bytes: int
     present_blocks: int
     present_bytes: int
     refreshed_blocks: int  # present but old: written again so that a concurrent gc keeps them
     already_published: bool
+    repair_blocks: int = 0  # blocks only repairs use: uploaded after the version is published (store-v1 §4.1)
+    repair_uploaded_blocks: int = 0
+    repair_uploaded_bytes: int = 0
+    published_s: float = 0.0  # from the start of the push until the version was visible (receivers may start)
+    repair_s: float = 0.0  # the repair blocks' upload, after publication
+    repair_pending: bool = False  # True only in what on_published is given: repair blocks still follow
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +180,21 @@ def version_record(manifest: Manifest, manifest_id: str, manifest_size: int, bas
     )
 
 
+def split_roles(manifest: Manifest) -> tuple[list[BlockEntry], list[BlockEntry]]:
+    """The delta's distinct blocks as (what a normal apply reads, what only repairs read).
+
+    A block whose bytes serve as data anywhere in the delta is a data block (content addressing may
+    give a data and a repair section the same block)."""
+    data_ids = {b.id for b in manifest.blocks if b.role == "data"}
+    unique = list({b.id: b for b in manifest.blocks}.values())
+    return [b for b in unique if b.id in data_ids], [b for b in unique if b.id not in data_ids]
+
+
+# A block that vanished after its upload (a gc that decided before the version was published) is
+# uploaded again this many times before the push gives up.
+REPAIR_ROUNDS = 3
+
+
 def push(
     delta: str | os.PathLike[str],
     url: str,
@@ -182,6 +206,7 @@ def push(
     limit_rate: float | None = None,
     allow_unsafe_publish: bool = False,
     verify_remote: bool = False,
+    on_published: Callable[[PushResult], None] | None = None,
 ) -> PushResult:
     """Publish the delta at ``delta`` as version ``<its target version>`` on the store at ``url``.
 
@@ -192,7 +217,15 @@ def push(
     version that is already published with this very delta restores any of
     its blocks the store lost, and is otherwise a no-op. ``on_total`` is told
     the bytes ``progress`` will count, before any is sent.
+
+    Order (format_spec/store-v1.md §4.1): data blocks, manifest, version record, then the repair
+    blocks (target values that only a receiver torn by a crash, ``pull --repair`` and squashing
+    read), so that they stay off the critical path of a refit. ``on_published`` is called the
+    moment the version is visible (receivers can fetch and apply it), with the result so far
+    (``repair_pending`` True); the call returns only once the repair blocks are uploaded too. A
+    push killed after publication is completed by running it again.
     """
+    started = time.monotonic()
     source = Delta.open(delta)
     manifest = source.manifest
     version = check_label(manifest.target.version, "the delta's target version")
@@ -205,9 +238,9 @@ def push(
             f"{url}: {version!r} is the label of the store's genesis state; label this delta differently "
             "(dcr diff --target-version)"
         )
-    unique = list({b.id: b for b in manifest.blocks}.values())
+    data_blocks, repair_blocks = split_roles(manifest)
     if on_total is not None:
-        on_total(sum(b.size for b in unique))
+        on_total(sum(b.size for b in data_blocks + repair_blocks))
 
     existing = store.version(version)
     if existing is not None and existing.manifest != source.id:
@@ -222,56 +255,22 @@ def push(
             f"({base.version}); re-run dcr diff against {base.version} (dcr status {url} --json shows it)"
         )
 
-    found = stat_blocks(store, unique, workers)
-    missing = [b for b in unique if (e := found[b.id]) is None or e.size != b.size]
-    if verify_remote:
-        missing += _corrupt_on_store(store, [b for b in unique if b not in missing], workers)
-    missing_ids = {b.id for b in missing}
-    kept = [b for b in unique if b.id not in missing_ids]
-    # A block the store holds already may belong to a version a concurrent dcr gc is dropping. Writing
-    # it again makes it young, and gc removes a block only while it is older than its grace period
-    # (checked afresh just before removing it): so no block this version needs can vanish after step 6.
-    now = time.time()
-    refreshed = [] if existing is not None else [b for b in kept if _written_before(found[b.id], now - REFRESH_S)]
     limiter = RateLimit(limit_rate) if limit_rate else None
-    budget = ByteBudget(PUSH_BUDGET_BYTES)
-    # Streamed uploads read the delta in parts: memory holds a part being read, one buffered and one sent.
-    chunk_bytes = S3_PART_BYTES if store.capabilities.streamed_writes else CHUNK_BYTES
+    uploader = _Uploader(store, source, workers, limiter, progress)
 
-    def upload(block: BlockEntry) -> Callable[[], None]:
-        def chunks() -> Iterator[bytes]:
-            for chunk in _local_block_chunks(source, block, chunk_bytes):
-                if limiter is not None:
-                    limiter.take(len(chunk))
-                yield chunk
-
-        def run() -> None:
-            if store.capabilities.local_files:  # streamed to a temporary file: one chunk in memory
-                store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
-            elif store.capabilities.streamed_writes:  # a multipart upload: a chunk and a part or two in memory
-                with budget.hold(min(block.size, STREAM_HOLD_BYTES)):
-                    store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
-            else:
-                with budget.hold(block.size):  # one PUT of the whole block
-                    store.put(f"{BLOCKS}/{block.id}", b"".join(chunks()))
-            if progress is not None:
-                progress(block.size)
-
-        return run
-
-    if progress is not None:
-        progress(sum(b.size for b in kept))
-    parallel((upload(b) for b in missing), workers)
-    parallel((upload(b) for b in refreshed), workers)  # progress was counted with the present blocks
+    # -- data blocks, manifest, record: after these the version is visible
+    missing, kept, refreshed = uploader.plan(data_blocks, verify_remote, refresh=existing is None)
+    uploader.upload(missing)
+    uploader.upload(refreshed, counted=True)  # progress was counted with the present blocks
 
     raw = source.raw_manifest()  # IntegrityError if it changed while the blocks went up
     if existing is None or not store.exists(f"{MANIFESTS}/{source.id}.json"):
         store.put(f"{MANIFESTS}/{source.id}.json", raw)
 
     if existing is None:
-        # Everything the record promises must be there now (a concurrent dcr gc could have removed a block).
-        after = stat_blocks(store, unique, workers)
-        lost = [b.id for b in unique if (e := after[b.id]) is None or e.size != b.size]
+        # Everything a receiver reads must be there now (a concurrent dcr gc could have removed a block).
+        after = stat_blocks(store, data_blocks, workers)
+        lost = [b.id for b in data_blocks if (e := after[b.id]) is None or e.size != b.size]
         if lost:
             raise ConflictError(
                 f"{url}: block {lost[0][:16]}… vanished during the push (a concurrent dcr gc?); re-run dcr push"
@@ -287,19 +286,131 @@ def push(
                     f"{url}: version {version!r} was just published by another producer (manifest "
                     f"{winner.manifest[:16]}…); this push lost the race and published nothing"
                 ) from None
-    return PushResult(
+    published_s = time.monotonic() - started
+    result = PushResult(
         store=url,
         version=version,
         base=base.version,
         manifest=source.id,
-        blocks=len(unique),
+        blocks=len(data_blocks) + len(repair_blocks),
         uploaded_blocks=len(missing),
         uploaded_bytes=sum(b.size for b in missing),
         present_blocks=len(kept),
         present_bytes=sum(b.size for b in kept),
         refreshed_blocks=len(refreshed),
         already_published=existing is not None,
+        repair_blocks=len(repair_blocks),
+        published_s=published_s,
+        repair_pending=bool(repair_blocks),
     )
+    if on_published is not None:
+        on_published(replace(result))
+
+    # -- repair blocks, after publication. The version's manifest lists them, so a gc that reads the
+    # records after this point keeps them (§4.4); an old one that is present is written again, as the
+    # data blocks were, for a gc that decided before the record existed; and each is asked about once
+    # more after the upload and sent again if such a gc removed it meanwhile.
+    try:
+        r_kept, r_refreshed, sent = _upload_repairs(store, uploader, repair_blocks, verify_remote, existing is None)
+        # Every block is up: from now on a missing repair block of this version is damage, not a pending upload.
+        store.put(f"{COMPLETE}/{version}", b"")
+    except ConflictError:
+        raise
+    except (DcrError, OSError) as exc:
+        error = DcrError(
+            f"{url}: version {version} is published (receivers can apply it), but uploading its repair blocks "
+            f"failed ({exc}); re-run dcr push DELTA {url} to finish"
+        )
+        error.exit_code = getattr(exc, "exit_code", error.exit_code)
+        raise error from exc
+    result.repair_uploaded_blocks = len(sent)
+    result.repair_uploaded_bytes = sum(b.size for b in sent.values())
+    result.uploaded_blocks += len(sent)
+    result.uploaded_bytes += result.repair_uploaded_bytes
+    result.present_blocks += len(r_kept)
+    result.present_bytes += sum(b.size for b in r_kept)
+    result.refreshed_blocks += len(r_refreshed)
+    result.repair_s = time.monotonic() - started - published_s
+    result.repair_pending = False
+    return result
+
+
+def _upload_repairs(
+    store: Store, uploader: _Uploader, repair_blocks: list[BlockEntry], verify_remote: bool, refresh: bool
+) -> tuple[list[BlockEntry], list[BlockEntry], dict[str, BlockEntry]]:
+    """Upload the repair blocks after publication (§4.1 step 8); (kept, refreshed, sent)."""
+    r_missing, r_kept, r_refreshed = uploader.plan(repair_blocks, verify_remote, refresh=refresh)
+    uploader.upload(r_missing)
+    uploader.upload(r_refreshed, counted=True)
+    sent = {b.id: b for b in r_missing}
+    for round_ in range(REPAIR_ROUNDS + 1):
+        after = stat_blocks(store, repair_blocks, uploader.workers) if repair_blocks else {}
+        lost_blocks = [b for b in repair_blocks if (e := after[b.id]) is None or e.size != b.size]
+        if not lost_blocks:
+            break
+        if round_ == REPAIR_ROUNDS:
+            raise ConflictError(
+                f"{store.url}: repair block {lost_blocks[0].id[:16]}… keeps vanishing after its upload (a "
+                "concurrent dcr gc?); the version is published; re-run dcr push to finish uploading its repair blocks"
+            )
+        uploader.upload(lost_blocks, counted=True)
+        sent.update((b.id, b) for b in lost_blocks)
+    return r_kept, r_refreshed, sent
+
+
+class _Uploader:
+    """Uploads a push's blocks from the local delta: parallel, rate-limited, within the memory budget."""
+
+    def __init__(
+        self, store: Store, source: Delta, workers: int, limiter: RateLimit | None, progress: Progress | None
+    ) -> None:
+        self.store, self.source, self.workers, self.limiter, self.progress = store, source, workers, limiter, progress
+        self.budget = ByteBudget(PUSH_BUDGET_BYTES)
+        # Streamed uploads read the delta in parts: memory holds a part being read, one buffered and one sent.
+        self.chunk_bytes = S3_PART_BYTES if store.capabilities.streamed_writes else CHUNK_BYTES
+
+    def plan(
+        self, blocks: list[BlockEntry], verify_remote: bool, *, refresh: bool
+    ) -> tuple[list[BlockEntry], list[BlockEntry], list[BlockEntry]]:
+        """(absent or wrong: upload, present: keep, present but old: write again) for these blocks (§4.1 step 4)."""
+        found = stat_blocks(self.store, blocks, self.workers)
+        missing = [b for b in blocks if (e := found[b.id]) is None or e.size != b.size]
+        if verify_remote:
+            missing += _corrupt_on_store(self.store, [b for b in blocks if b not in missing], self.workers)
+        missing_ids = {b.id for b in missing}
+        kept = [b for b in blocks if b.id not in missing_ids]
+        # A block the store holds already may belong to a version a concurrent dcr gc is dropping. Writing
+        # it again makes it young, and gc removes a block only while it is older than its grace period
+        # (checked afresh just before removing it): so no block this version needs can vanish.
+        now = time.time()
+        refreshed = [b for b in kept if _written_before(found[b.id], now - REFRESH_S)] if refresh else []
+        if self.progress is not None:
+            self.progress(sum(b.size for b in kept))
+        return missing, kept, refreshed
+
+    def upload(self, blocks: list[BlockEntry], *, counted: bool = False) -> None:
+        """Upload these blocks; ``counted``: their bytes were already counted as present."""
+        parallel((functools.partial(self._one, b, counted) for b in blocks), self.workers)
+
+    def _one(self, block: BlockEntry, counted: bool) -> None:
+        store, limiter = self.store, self.limiter
+
+        def chunks() -> Iterator[bytes]:
+            for chunk in _local_block_chunks(self.source, block, self.chunk_bytes):
+                if limiter is not None:
+                    limiter.take(len(chunk))
+                yield chunk
+
+        if store.capabilities.local_files:  # streamed to a temporary file: one chunk in memory
+            store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
+        elif store.capabilities.streamed_writes:  # a multipart upload: a chunk and a part or two in memory
+            with self.budget.hold(min(block.size, STREAM_HOLD_BYTES)):
+                store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
+        else:
+            with self.budget.hold(block.size):  # one PUT of the whole block
+                store.put(f"{BLOCKS}/{block.id}", b"".join(chunks()))
+        if self.progress is not None and not counted:
+            self.progress(block.size)
 
 
 def _written_before(entry: Listing | None, moment: float) -> bool:
@@ -334,6 +445,38 @@ def _local_block_chunks(source: Delta, block: BlockEntry, chunk_bytes: int = CHU
         raise IntegrityError(
             f"{source.label}: block {block.id[:16]}… is corrupt; nothing corrupt was published"
         ) from None
+
+
+# -- repair blocks on the store ----------------------------------------------------------------------------------------
+
+
+def missing_repair_blocks(store: Store, manifest: Manifest, workers: int = DEFAULT_WORKERS) -> list[BlockEntry]:
+    """The blocks only repairs read that the store lacks (or holds with the wrong size), asked one by one."""
+    _data, repair = split_roles(manifest)
+    found = stat_blocks(store, repair, workers) if repair else {}
+    return [b for b in repair if (e := found[b.id]) is None or e.size != b.size]
+
+
+def require_repair_blocks(
+    store: Store, record: VersionRecord, manifest: Manifest, then: str, workers: int = DEFAULT_WORKERS
+) -> None:
+    """Refuse (NotReadyError, exit 4) a version whose repair blocks are not all on the store yet.
+
+    A push publishes a version before its repair blocks (store-v1 §4.1), so a version may be visible
+    while they are still going up, or lack them for good if that push was stopped after publishing.
+    """
+    missing = missing_repair_blocks(store, manifest, workers)
+    if missing and (record.minor < 1 or store.exists(f"{COMPLETE}/{record.version}")):
+        raise IntegrityError(  # its push had uploaded every block: this one was lost since
+            f"{store.url}: repair block {missing[0].id[:16]}… of version {record.version!r} is missing from the "
+            f"store ({len(missing)} such); restore it with dcr push DELTA {store.url}, then {then}"
+        )
+    if missing:
+        raise NotReadyError(
+            f"{store.url}: {len(missing)} repair block(s) of version {record.version!r} are not on the store yet "
+            f"(e.g. {missing[0].id[:16]}…): the producer's dcr push is still uploading them or was stopped after "
+            f"publishing; wait for it to finish, or re-run dcr push DELTA {store.url}, then {then}"
+        )
 
 
 # -- choosing a version ------------------------------------------------------------------------------------------------
@@ -452,10 +595,22 @@ def pull_since(
     store = Store(url, storage_options)
     store.require_marker()
     records = chain_between(store, since, version)
+    if repair:
+        check_repairs(store, records, workers)
     if on_total is not None:
         on_total(_transfer_bytes(records, repair))
     limiter = RateLimit(limit_rate) if limit_rate else None
-    return [_pull_record(store, r, Path(out_dir) / r.version, workers, progress, limiter, repair) for r in records]
+    return [
+        _pull_record(store, r, Path(out_dir) / r.version, workers, progress, limiter, repair, repairs_checked=True)
+        for r in records
+    ]
+
+
+def check_repairs(store: Store, records: list[VersionRecord], workers: int = DEFAULT_WORKERS) -> None:
+    """Every one of these versions has all its repair blocks on the store (checked before a pull writes anything)."""
+    for record in records:
+        manifest = parse_manifest(store.manifest_bytes(record))
+        require_repair_blocks(store, record, manifest, "pull again", workers)
 
 
 def _pull_record(
@@ -466,6 +621,7 @@ def _pull_record(
     progress: Progress | None,
     limiter: RateLimit | None,
     repair: bool,
+    repairs_checked: bool = False,
 ) -> PullResult:
     raw = store.manifest_bytes(record)  # checked against the digest in the version record
     manifest = parse_manifest(raw)
@@ -506,6 +662,8 @@ def _pull_record(
     done = already_pulled()
     if done is not None:
         return done
+    if repair and not repairs_checked:  # before anything is written: a pull that cannot finish starts nothing
+        require_repair_blocks(store, record, manifest, "pull again", workers)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial"

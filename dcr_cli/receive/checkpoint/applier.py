@@ -188,7 +188,7 @@ def _repair(delta: Delta, item: Item) -> np.ndarray:
     if not delta.has_block(delta.manifest.blocks[item.repair.block]):
         raise IntegrityError(
             f"{receiver_plan.quote(item.tensor)}: an interrupted write left this item torn and its repair block is "
-            "not here; fetch the delta with its repair blocks and re-run"
+            f"not here; {delta.source.missing_repair_advice}"
         )
     return delta.repair_values(item)
 
