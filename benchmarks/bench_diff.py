@@ -272,8 +272,18 @@ import json, os, shutil, sys, time
 from pathlib import Path
 from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.produce import diff
+from dcr_cli.delta.writer import DeltaWriter
 base, new, work, workers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
 out = {}
+finish = DeltaWriter.finish
+tail = [0.0]
+def timed_finish(self, *args, **kwargs):  # the serial tail: last blocks written and fsynced, the manifest
+    start = time.perf_counter()
+    try:
+        return finish(self, *args, **kwargs)
+    finally:
+        tail[0] = time.perf_counter() - start
+DeltaWriter.finish = timed_finish
 for i, w in enumerate(["warm"] + workers):
     os.environ["DCR_CACHE_DIR"] = str(work / f"cache-{i}")
     with SafetensorsCheckpoint(base) as a:
@@ -283,6 +293,7 @@ for i, w in enumerate(["warm"] + workers):
     diff(base, new, delta, workers=int(w) if w not in ("all", "warm") else None)
     out[w] = time.perf_counter() - start
     out[w + " cpu"] = time.process_time() - cpu
+    out[w + " finish"] = tail[0]
     raw = (delta / "manifest.json").read_bytes()
     if raw[:4] == b"\x28\xb5\x2f\xfd":  # a 2.x manifest is one zstd frame (delta-v2 §3)
         import zstandard
@@ -339,7 +350,7 @@ def bandwidth(args: argparse.Namespace) -> None:
                     times[key].append(time.perf_counter() - start)
                     times.setdefault(key + " cpu", []).append(time.process_time() - cpu)
             got = run_child(checkout, base, new, root / f"work-{label}")
-            for w in ("all", "1", "all cpu", "1 cpu"):
+            for w in ("all", "1", "all cpu", "1 cpu", "all finish", "1 finish"):
                 times.setdefault(f"{label} {w}", []).append(got[w])
             deltas[label] = got["delta"]
     best = {k: min(v) for k, v in times.items()}
@@ -359,6 +370,12 @@ def bandwidth(args: argparse.Namespace) -> None:
         print(
             f"  {text:42s}{best[key]:>8.3f}{v[len(v) // 2]:>10.3f}{best[key] / ref:>7.2f}x"
             f"{cpu:>8.3f}{cpu / best['reference cpu']:>8.2f}x"
+        )
+    for label in checkouts:
+        print(
+            f"  of which the writer's finish ({label}; last blocks written and fsynced, manifest, serial):"
+            f" {best[f'{label} all finish']:.3f} s all cores, {best[f'{label} 1 finish']:.3f} s one worker"
+            f" ({best[f'{label} all finish'] / ref:.2f}x, {best[f'{label} 1 finish'] / ref:.2f}x the reference)"
         )
     if "before" in checkouts:
         for w, name in (("all", "all cores"), ("1", "one worker")):
