@@ -227,3 +227,72 @@ def test_hashing_on_a_helper_or_inline_writes_the_same_delta(
     table = Delta.open(out).manifest.tensors
     for name, t in tensors.items():
         assert table[name].digest == digest_bytes(t.contiguous().view(torch.uint8).numpy())
+
+
+# ----- the writer's staged blocks
+
+
+def _write_delta(out: Path, block_bytes: int, items: int, abort: bool = False) -> tuple[dict[str, bytes], list]:
+    """A delta of ``items`` one-region tensors, sections packed into blocks of ``block_bytes``; returns
+    (the blocks each ``on_block`` call saw, the added items)."""
+    from dcr_cli.delta.writer import DeltaWriter
+    from dcr_cli.format.codec import diff_region
+    from dcr_cli.format.manifest import Region, TensorEntry, VersionRef
+
+    rng = np.random.default_rng(11)
+    seen: dict[str, bytes] = {}
+    writer = DeltaWriter(out, block_bytes=block_bytes, on_block=lambda bid, data: seen.__setitem__(bid, data))
+    added, table = [], {}
+    for i in range(items):
+        a = rng.integers(0, 2**16, size=20_000, dtype=np.uint16)
+        b = a.copy()
+        b[rng.random(len(a)) < 0.2] ^= 1
+        item = diff_region(f"t{i}", Region.range(0, len(a)), a, b)
+        assert item is not None
+        writer.add(item)
+        added.append(item)
+        table[f"t{i}"] = TensorEntry("U16", (len(a),), digest_bytes(b))
+    if abort:
+        writer.abort()
+        return seen, added
+    writer.finish(VersionRef("a", "0" * 64), VersionRef("b", "1" * 64), table)
+    return seen, added
+
+
+def _open_fds() -> int:
+    return len(list(Path("/proc/self/fd").iterdir()))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="counts open files through /proc")
+@pytest.mark.parametrize("block_bytes", [1, 30_000, 1 << 20, 64 << 20])
+def test_staged_blocks_are_the_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_bytes: int) -> None:
+    """Blocks written section by section (and synced every SYNC_BYTES) are named by the digest of their
+    bytes, hold exactly the sections the manifest places in them, are what on_block saw, and leave no
+    staged file or open descriptor behind; an aborted writer leaves nothing."""
+    import dcr_cli.delta.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "SYNC_BYTES", 50_000)
+    fds = _open_fds()
+    out = tmp_path / "d"
+    seen, added = _write_delta(out, block_bytes, items=12)
+    assert _open_fds() == fds
+    files = {p.name: p.read_bytes() for p in (out / "blocks").iterdir()}
+    assert files == seen and all(digest_bytes(data) == name for name, data in files.items())
+    delta = Delta.open(out)
+    blocks = delta.manifest.blocks
+    assert {b.id for b in blocks} == set(files)
+    for item, original in zip(delta.manifest.items, added, strict=True):
+        section = item.data
+        data = files[blocks[section.block].id][section.offset : section.offset + section.length]
+        assert data == original.data
+        assert item.repair is not None and original.repair is not None
+        repair = files[blocks[item.repair.block].id][item.repair.offset : item.repair.offset + item.repair.length]
+        assert repair == original.repair
+    delta.verify_blocks(roles=("data", "repair"))
+    if block_bytes == 64 << 20:
+        assert len(blocks) == 2  # one data block, one repair block: staged whole, placed at finish
+    del delta
+    fds = _open_fds()  # the reader may keep its block files open
+    gone = tmp_path / "aborted"
+    _write_delta(gone, block_bytes, items=5, abort=True)
+    assert _open_fds() == fds and not gone.exists() and [p.name for p in tmp_path.iterdir()] == ["d"]
