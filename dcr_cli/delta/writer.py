@@ -108,7 +108,10 @@ class _BlockPacker:
         if not self.pending:
             return
         staged, self.staged = self.staged, None
-        index = self.writer._store_block(bytes(self.buffer), self.role, staged)
+        # The block's bytes are in its staged file: only on_block needs a copy of them (the buffer
+        # itself is dropped below, never changed once handed over).
+        data = bytes(self.buffer) if self.writer.on_block is not None else self.buffer
+        index = self.writer._store_block(data, self.role, staged)  # type: ignore[arg-type]  # len() only
         for item_index, field, offset, length, digest in self.pending:
             self.writer._sections[item_index][field] = Section(index, offset, length, digest)
         self.buffer = bytearray()
