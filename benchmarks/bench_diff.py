@@ -97,6 +97,13 @@ def encode_pass(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> None:
             diff_region(name, Region.range(start, stop), a.view(name, start, stop), b.view(name, start, stop))
 
 
+def scan_pass(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> int:
+    """dcr's change scan (positions, masks, new values) of every tensor, one thread, nothing encoded."""
+    from dcr_cli.format.kernels import scan_changes
+
+    return sum(len(scan_changes(a.view(n), b.view(n))[0]) for n in a.tensors)
+
+
 def digest_pass(b: SafetensorsCheckpoint) -> None:
     """The target tensor table: BLAKE3 of every tensor of the new checkpoint, on one thread."""
     for name in b.tensors:
@@ -338,13 +345,17 @@ def bandwidth(args: argparse.Namespace) -> None:
         target_bytes = sum(t.nbytes for t in b.tensors.values())
         elements = sum(t.numel for t in b.tensors.values())
         reference_pass(a, b)  # warm the page cache for both sides
-    times: dict[str, list[float]] = {"reference": [], "blake3": []}
+    times: dict[str, list[float]] = {"reference": [], "blake3": [], "scan": []}
     deltas = {}
     for _ in range(args.repeat):
         for label, checkout in checkouts.items():
             # The reference and BLAKE3 pass open the files anew each time, as a diff does.
             with SafetensorsCheckpoint(base) as a, SafetensorsCheckpoint(new) as b:
-                for key, fn in (("reference", lambda: reference_pass(a, b)), ("blake3", lambda: digest_pass(b))):
+                for key, fn in (
+                    ("reference", lambda: reference_pass(a, b)),
+                    ("blake3", lambda: digest_pass(b)),
+                    ("scan", lambda: scan_pass(a, b)),
+                ):
                     start, cpu = time.perf_counter(), time.process_time()
                     fn()
                     times[key].append(time.perf_counter() - start)
@@ -361,7 +372,11 @@ def bandwidth(args: argparse.Namespace) -> None:
     )
     print("  (wall: elapsed seconds; cpu: seconds of CPU over all threads, robust to other load on the machine)")
     print(f"  {'':42s}{'best s':>8}{'median s':>10}{'vs ref':>8}{'cpu s':>8}{'cpu/ref':>9}")
-    rows = [("reference: numpy XOR-and-count, one core", "reference"), ("BLAKE3 of the target, one thread", "blake3")]
+    rows = [
+        ("reference: numpy XOR-and-count, one core", "reference"),
+        ("BLAKE3 of the target, one thread", "blake3"),
+        ("change scan alone (after), one thread", "scan"),
+    ]
     for label in checkouts:
         rows += [(f"dcr diff ({label}), all cores", f"{label} all"), (f"dcr diff ({label}), one worker", f"{label} 1")]
     for text, key in rows:
