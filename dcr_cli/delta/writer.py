@@ -83,38 +83,55 @@ class _StagedBlock:
             self.fd = -1
 
 
+class _Written:
+    """A staged block's bytes where only their length is needed (no on_block to hand them to)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
 class _BlockPacker:
     """Packs sections of one role into block files of about TARGET_BLOCK_BYTES."""
 
     def __init__(self, writer: DeltaWriter, role: BlockRole) -> None:
         self.writer, self.role = writer, role
-        self.buffer = bytearray()
+        # The block's bytes in memory, only for on_block: they are in the staged file anyway, and
+        # growing a buffer of tens of MB copies it under the GIL, which stalls the diff's workers.
+        self.buffer: bytearray | None = bytearray() if writer.on_block is not None else None
+        self.size = 0  # bytes in the block so far
         self.pending: list[tuple[int, str, int, int, str]] = []  # (item index, field, offset, length, digest)
         self.staged: _StagedBlock | None = None
         self.started = 0  # blocks begun (names the staged files apart)
 
     def add(self, item_index: int, field: str, data: bytes) -> None:
         digest = section_digest(data, self.writer.major)
-        self.pending.append((item_index, field, len(self.buffer), len(data), digest))
-        self.buffer += data
+        self.pending.append((item_index, field, self.size, len(data), digest))
+        self.size += len(data)
+        if self.buffer is not None:
+            self.buffer += data
         if self.staged is None:
             self.started += 1
             self.staged = _StagedBlock(self.writer._tmp / BLOCKS_DIR, self.role, self.started)
         self.staged.write(data)
-        if len(self.buffer) >= self.writer.block_bytes:
+        if self.size >= self.writer.block_bytes:
             self.flush()
 
     def flush(self) -> None:
         if not self.pending:
             return
         staged, self.staged = self.staged, None
-        # The block's bytes are in its staged file: only on_block needs a copy of them (the buffer
-        # itself is dropped below, never changed once handed over).
-        data = bytes(self.buffer) if self.writer.on_block is not None else self.buffer
-        index = self.writer._store_block(data, self.role, staged)  # type: ignore[arg-type]  # len() only
+        data = bytes(self.buffer) if self.buffer is not None else _Written(self.size)
+        index = self.writer._store_block(data, self.role, staged)  # type: ignore[arg-type]  # _Written: len() only
         for item_index, field, offset, length, digest in self.pending:
             self.writer._sections[item_index][field] = Section(index, offset, length, digest)
-        self.buffer = bytearray()
+        if self.buffer is not None:
+            self.buffer = bytearray()
+        self.size = 0
         self.pending = []
 
     def close(self) -> None:
