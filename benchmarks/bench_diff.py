@@ -107,7 +107,7 @@ def scan_pass(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> int:
 def digest_pass(b: SafetensorsCheckpoint) -> None:
     """The target tensor table: BLAKE3 of every tensor of the new checkpoint, on one thread."""
     for name in b.tensors:
-        blake3.blake3(b.view(name).view(np.uint8), max_threads=1).digest()
+        blake3.blake3(b.view(name).view(np.uint8).data, max_threads=1).digest()
 
 
 def best_of(fn, repeat: int) -> float:
