@@ -97,10 +97,17 @@ def encode_pass(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> None:
             diff_region(name, Region.range(start, stop), a.view(name, start, stop), b.view(name, start, stop))
 
 
+def scan_pass(a: SafetensorsCheckpoint, b: SafetensorsCheckpoint) -> int:
+    """dcr's change scan (positions, masks, new values) of every tensor, one thread, nothing encoded."""
+    from dcr_cli.format.kernels import scan_changes
+
+    return sum(len(scan_changes(a.view(n), b.view(n))[0]) for n in a.tensors)
+
+
 def digest_pass(b: SafetensorsCheckpoint) -> None:
     """The target tensor table: BLAKE3 of every tensor of the new checkpoint, on one thread."""
     for name in b.tensors:
-        blake3.blake3(b.view(name).view(np.uint8), max_threads=1).digest()
+        blake3.blake3(b.view(name).view(np.uint8).data, max_threads=1).digest()
 
 
 def best_of(fn, repeat: int) -> float:
@@ -272,8 +279,18 @@ import json, os, shutil, sys, time
 from pathlib import Path
 from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
 from dcr_cli.produce import diff
+from dcr_cli.delta.writer import DeltaWriter
 base, new, work, workers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
 out = {}
+finish = DeltaWriter.finish
+tail = [0.0]
+def timed_finish(self, *args, **kwargs):  # the serial tail: last blocks written and fsynced, the manifest
+    start = time.perf_counter()
+    try:
+        return finish(self, *args, **kwargs)
+    finally:
+        tail[0] = time.perf_counter() - start
+DeltaWriter.finish = timed_finish
 for i, w in enumerate(["warm"] + workers):
     os.environ["DCR_CACHE_DIR"] = str(work / f"cache-{i}")
     with SafetensorsCheckpoint(base) as a:
@@ -283,6 +300,7 @@ for i, w in enumerate(["warm"] + workers):
     diff(base, new, delta, workers=int(w) if w not in ("all", "warm") else None)
     out[w] = time.perf_counter() - start
     out[w + " cpu"] = time.process_time() - cpu
+    out[w + " finish"] = tail[0]
     raw = (delta / "manifest.json").read_bytes()
     if raw[:4] == b"\x28\xb5\x2f\xfd":  # a 2.x manifest is one zstd frame (delta-v2 §3)
         import zstandard
@@ -327,19 +345,23 @@ def bandwidth(args: argparse.Namespace) -> None:
         target_bytes = sum(t.nbytes for t in b.tensors.values())
         elements = sum(t.numel for t in b.tensors.values())
         reference_pass(a, b)  # warm the page cache for both sides
-    times: dict[str, list[float]] = {"reference": [], "blake3": []}
+    times: dict[str, list[float]] = {"reference": [], "blake3": [], "scan": []}
     deltas = {}
     for _ in range(args.repeat):
         for label, checkout in checkouts.items():
             # The reference and BLAKE3 pass open the files anew each time, as a diff does.
             with SafetensorsCheckpoint(base) as a, SafetensorsCheckpoint(new) as b:
-                for key, fn in (("reference", lambda: reference_pass(a, b)), ("blake3", lambda: digest_pass(b))):
+                for key, fn in (
+                    ("reference", lambda: reference_pass(a, b)),
+                    ("blake3", lambda: digest_pass(b)),
+                    ("scan", lambda: scan_pass(a, b)),
+                ):
                     start, cpu = time.perf_counter(), time.process_time()
                     fn()
                     times[key].append(time.perf_counter() - start)
                     times.setdefault(key + " cpu", []).append(time.process_time() - cpu)
             got = run_child(checkout, base, new, root / f"work-{label}")
-            for w in ("all", "1", "all cpu", "1 cpu"):
+            for w in ("all", "1", "all cpu", "1 cpu", "all finish", "1 finish"):
                 times.setdefault(f"{label} {w}", []).append(got[w])
             deltas[label] = got["delta"]
     best = {k: min(v) for k, v in times.items()}
@@ -350,7 +372,11 @@ def bandwidth(args: argparse.Namespace) -> None:
     )
     print("  (wall: elapsed seconds; cpu: seconds of CPU over all threads, robust to other load on the machine)")
     print(f"  {'':42s}{'best s':>8}{'median s':>10}{'vs ref':>8}{'cpu s':>8}{'cpu/ref':>9}")
-    rows = [("reference: numpy XOR-and-count, one core", "reference"), ("BLAKE3 of the target, one thread", "blake3")]
+    rows = [
+        ("reference: numpy XOR-and-count, one core", "reference"),
+        ("BLAKE3 of the target, one thread", "blake3"),
+        ("change scan alone (after), one thread", "scan"),
+    ]
     for label in checkouts:
         rows += [(f"dcr diff ({label}), all cores", f"{label} all"), (f"dcr diff ({label}), one worker", f"{label} 1")]
     for text, key in rows:
@@ -359,6 +385,12 @@ def bandwidth(args: argparse.Namespace) -> None:
         print(
             f"  {text:42s}{best[key]:>8.3f}{v[len(v) // 2]:>10.3f}{best[key] / ref:>7.2f}x"
             f"{cpu:>8.3f}{cpu / best['reference cpu']:>8.2f}x"
+        )
+    for label in checkouts:
+        print(
+            f"  of which the writer's finish ({label}; last blocks written and fsynced, manifest, serial):"
+            f" {best[f'{label} all finish']:.3f} s all cores, {best[f'{label} 1 finish']:.3f} s one worker"
+            f" ({best[f'{label} all finish'] / ref:.2f}x, {best[f'{label} 1 finish'] / ref:.2f}x the reference)"
         )
     if "before" in checkouts:
         for w, name in (("all", "all cores"), ("1", "one worker")):

@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 from .._version import __version__
 from ..errors import ConflictError
 from ..format.codec import EncodedItem
@@ -36,30 +38,106 @@ from ..format.manifest import (
 )
 from ..io.files import fsync_dir, write_atomic
 
+# A block being filled is synced to disk every this many bytes, so that its final fsync (on the
+# diff's critical path, after the last item) has little left to write.
+SYNC_BYTES = 8 << 20
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+class _StagedBlock:
+    """A block's file, written and hashed section by section while the block fills (under a temporary
+    name in the blocks directory): when it is full, or at finish, only its last sections remain to be
+    written and synced, instead of the whole block at once."""
+
+    def __init__(self, directory: Path, role: BlockRole, number: int) -> None:
+        self.path = directory / f".partial-{role}-{number}"
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self.hasher = blake3.blake3(max_threads=1)
+        self.unsynced = 0
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        self.hasher.update(data)
+        self.unsynced += len(data)
+        if self.unsynced >= SYNC_BYTES:
+            _fdatasync(self.fd)
+            self.unsynced = 0
+
+    def digest(self) -> str:
+        return self.hasher.hexdigest()  # digest_bytes of the block's bytes
+
+    def place(self, path: Path) -> None:
+        """Sync the file and give it its content address (dropping it when that block exists already)."""
+        os.fsync(self.fd)
+        self.close()
+        if path.exists():
+            os.unlink(self.path)
+        else:
+            os.replace(self.path, path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _Written:
+    """A staged block's bytes where only their length is needed (no on_block to hand them to)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
 
 class _BlockPacker:
     """Packs sections of one role into block files of about TARGET_BLOCK_BYTES."""
 
     def __init__(self, writer: DeltaWriter, role: BlockRole) -> None:
         self.writer, self.role = writer, role
-        self.buffer = bytearray()
+        # The block's bytes in memory, only for on_block: they are in the staged file anyway, and
+        # growing a buffer of tens of MB copies it under the GIL, which stalls the diff's workers.
+        self.buffer: bytearray | None = bytearray() if writer.on_block is not None else None
+        self.size = 0  # bytes in the block so far
         self.pending: list[tuple[int, str, int, int, str]] = []  # (item index, field, offset, length, digest)
+        self.staged: _StagedBlock | None = None
+        self.started = 0  # blocks begun (names the staged files apart)
 
     def add(self, item_index: int, field: str, data: bytes) -> None:
         digest = section_digest(data, self.writer.major)
-        self.pending.append((item_index, field, len(self.buffer), len(data), digest))
-        self.buffer += data
-        if len(self.buffer) >= self.writer.block_bytes:
+        self.pending.append((item_index, field, self.size, len(data), digest))
+        self.size += len(data)
+        if self.buffer is not None:
+            self.buffer += data
+        if self.staged is None:
+            self.started += 1
+            self.staged = _StagedBlock(self.writer._tmp / BLOCKS_DIR, self.role, self.started)
+        self.staged.write(data)
+        if self.size >= self.writer.block_bytes:
             self.flush()
 
     def flush(self) -> None:
         if not self.pending:
             return
-        index = self.writer._store_block(bytes(self.buffer), self.role)
+        staged, self.staged = self.staged, None
+        data = bytes(self.buffer) if self.buffer is not None else _Written(self.size)
+        index = self.writer._store_block(data, self.role, staged)  # type: ignore[arg-type]  # _Written: len() only
         for item_index, field, offset, length, digest in self.pending:
             self.writer._sections[item_index][field] = Section(index, offset, length, digest)
-        self.buffer = bytearray()
+        if self.buffer is not None:
+            self.buffer = bytearray()
+        self.size = 0
         self.pending = []
+
+    def close(self) -> None:
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None
 
 
 class DeltaWriter:
@@ -101,10 +179,13 @@ class DeltaWriter:
         self._blocks: list[BlockEntry] = []
         self._packers = {"data": _BlockPacker(self, "data"), "repair": _BlockPacker(self, "repair")}
 
-    def _store_block(self, data: bytes, role: BlockRole) -> int:
-        block_id = digest_bytes(data)
+    def _store_block(self, data: bytes, role: BlockRole, staged: _StagedBlock | None = None) -> int:
+        """Store a block (``staged``: its bytes are already in that file) and report it to ``on_block``."""
+        block_id = digest_bytes(data) if staged is None else staged.digest()
         path = self._tmp / BLOCKS_DIR / block_id
-        if not path.exists():
+        if staged is not None:
+            staged.place(path)
+        elif not path.exists():
             with open(path, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -193,4 +274,6 @@ class DeltaWriter:
             return manifest
 
     def abort(self) -> None:
+        for packer in self._packers.values():
+            packer.close()
         shutil.rmtree(self._tmp, ignore_errors=True)

@@ -34,42 +34,49 @@ def _make_scan_words(lanes: int, release_gil: bool = True) -> Callable[..., tupl
     bits = 64 // lanes
     lane_mask = np.uint64((1 << bits) - 1)
     holds_gil = not release_gil  # a closure value: the two variants are cached apart (numba keys on closures)
+    u = np.uint64
+    group = u(GROUP_WORDS)
+    width = u(lanes)
 
     @numba.njit(nogil=release_gil, cache=True, boundscheck=False)
-    def scan_words(base_words, new_words, word, end, k, positions, masks, news):
+    def scan_words(base_words, new_words, word_at, end_at, k_at, positions, masks, news):
         # Scans words [word, end), appending at ``k``; stops early when a group might not fit.
         # Returns (k, next word); the caller grows the outputs and resumes while next word < end.
+        # Every index is unsigned: numba wraps negative signed indices around, a test and a mask on
+        # every access that also keeps LLVM from vectorizing the group's comparison.
         if holds_gil:
             pass
-        capacity = positions.shape[0]
+        capacity = u(positions.shape[0])
+        word, end, k = u(word_at), u(end_at), u(k_at)
         while word < end:
-            size = min(GROUP_WORDS, end - word)
-            if k + size * lanes > capacity:
-                return k, word
-            changed = np.uint64(0)
-            if size == GROUP_WORDS:
-                b_group = base_words[word : word + GROUP_WORDS]
-                n_group = new_words[word : word + GROUP_WORDS]
+            size = min(group, end - word)
+            if k + size * width > capacity:
+                return np.int64(k), np.int64(word)
+            changed = u(0)
+            if size == group:
+                b_group = base_words[word : word + group]
+                n_group = new_words[word : word + group]
                 for j in range(GROUP_WORDS):
-                    changed |= np.uint64(b_group[j] != n_group[j]) << np.uint64(j)
+                    changed |= u(b_group[j] != n_group[j]) << u(j)
             else:
                 for j in range(size):
-                    changed |= np.uint64(base_words[word + j] != new_words[word + j]) << np.uint64(j)
-            while changed != 0:
-                w = word + trailing_zeros(changed)
-                changed &= changed - np.uint64(1)
-                xor_word = base_words[w] ^ new_words[w]
+                    at = u(j)
+                    changed |= u(base_words[word + at] != new_words[word + at]) << at
+            while changed != u(0):
+                w = word + u(trailing_zeros(changed))
+                changed &= changed - u(1)
                 new_word = new_words[w]
-                first = w * lanes
+                xor_word = base_words[w] ^ new_word
+                first = w * width
                 for j in range(lanes):
-                    shift = np.uint64(bits * j)
+                    shift = u(bits * j)
                     x = (xor_word >> shift) & lane_mask
-                    positions[k] = first + j
+                    positions[k] = np.int64(first + u(j))
                     masks[k] = x
                     news[k] = (new_word >> shift) & lane_mask
-                    k += np.int64(x != 0)
+                    k += u(x != u(0))
             word += size
-        return k, word
+        return np.int64(k), np.int64(word)
 
     return scan_words
 

@@ -185,37 +185,72 @@ def _scan_cost(nbytes: int) -> int:
 
 
 class _TileFeeder:
-    """Feeds tiles to BLAKE3 hashers in order: on the calling thread, or pipelined on a helper thread."""
+    """Feeds tiles to BLAKE3 hashers in order: on the calling thread, or, where ``helper`` allows it,
+    pipelined on a helper thread (started at its first pipelined tile). A tile fed inline after
+    pipelined ones waits until the helper has hashed those, so each hasher sees its bytes in order."""
 
-    def __init__(self, pipelined: bool) -> None:
-        self.pipelined = pipelined
+    def __init__(self, helper: bool) -> None:
+        self.helper = helper
         self.error: BaseException | None = None
-        if pipelined:
-            self.jobs: queue.Queue[tuple[Any, np.ndarray] | None] = queue.Queue(maxsize=8)
-            self.thread = threading.Thread(target=self._run, name="dcr-hash", daemon=True)
-            self.thread.start()
+        self.jobs: queue.Queue[tuple[Any, np.ndarray] | None] | None = None
+        self.thread: threading.Thread | None = None
 
-    def feed(self, hasher: Any, tile: np.ndarray) -> None:
-        if self.pipelined:
+    def feed(self, hasher: Any, tile: np.ndarray, pipelined: bool) -> None:
+        if pipelined and self.helper:
+            if self.jobs is None:
+                self.jobs = queue.Queue(maxsize=8)
+                self.thread = threading.Thread(target=self._run, args=(self.jobs,), name="dcr-hash", daemon=True)
+                self.thread.start()
             self.jobs.put((hasher, tile))
-        else:
-            hasher.update(tile)
+            return
+        if self.jobs is not None:
+            self.jobs.join()  # the helper's tiles first
+            if self.error is not None:
+                return
+        hasher.update(tile)
 
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if self.error is None:
-                try:
+    def _run(self, jobs: queue.Queue[tuple[Any, np.ndarray] | None]) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:
                     job[0].update(job[1])
-                except BaseException as exc:  # reported by close()
-                    self.error = exc
+            except BaseException as exc:  # reported by close()
+                self.error = exc
+            finally:
+                jobs.task_done()
 
     def close(self) -> None:
-        if self.pipelined:
+        if self.jobs is not None and self.thread is not None:
             self.jobs.put(None)
             self.thread.join()
-            self.pipelined = False
+            self.jobs = self.thread = None
         if self.error is not None:
             raise self.error
+
+
+class _Scanning:
+    """How many large-tensor tasks of this process are running (``tensor_task``): while fewer than the
+    workers are, a core is free for the hashing of a large tensor, and the task hands it to a helper
+    thread; while every worker scans one, each hashes its own tiles, from its own core's cache."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+
+    def __enter__(self) -> _Scanning:
+        with self.lock:
+            self.count += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.count -= 1
+
+
+_SCANNING = _Scanning()
 
 
 class _ResidualStream:
@@ -347,33 +382,39 @@ def execute(
             for side, digests in ((base, b_digests), (new, n_digests))
             if name not in digests
         ]
-        # With several workers the scans wait on memory: a helper thread hashes each tile from the
-        # last-level cache while the scan reads the next one. One worker is one thread.
+        # One worker is one thread. With several, a range is hashed on a helper thread (each tile
+        # from the last-level cache, while the scan reads the next one) only while some worker has
+        # no large tensor to scan, e.g. at the end of the plan; otherwise right after each tile's
+        # scan, on the scanning thread, while the tile is in its core's cache.
         nbytes = sum((u.stop - u.start) * u.itemsize for u in ranges)
-        feeder = _TileFeeder(pipelined=workers > 1 and bool(hashers) and nbytes >= PIPELINE_MIN_BYTES)
-        tile = TILE_BYTES * (4 if feeder.pipelined else 1)
+        feeder = _TileFeeder(helper=workers > 1 and bool(hashers) and nbytes >= PIPELINE_MIN_BYTES)
         try:
-            for u in ranges:
-                b, n = base.flat(u.name, u.start, u.stop), new.flat(u.name, u.start, u.stop)
-                views = [(h, (b if side is base else n).view(np.uint8)) for h, side, _ in hashers]
-                width = u.itemsize
+            with _SCANNING:
+                for u in ranges:
+                    b, n = base.flat(u.name, u.start, u.stop), new.flat(u.name, u.start, u.stop)
+                    views = [(h, (b if side is base else n).view(np.uint8)) for h, side, _ in hashers]
+                    width = u.itemsize
+                    pipelined = feeder.helper and _SCANNING.count < workers
+                    tile = TILE_BYTES * (4 if pipelined else 1)
 
-                def hash_tile(lo: int, hi: int, views: list[tuple[Any, Any]] = views, width: int = width) -> None:
-                    for h, raw in views:
-                        feeder.feed(h, raw[lo * width : hi * width])
+                    def hash_tile(
+                        lo: int, hi: int, views: list[tuple[Any, Any]] = views, w: int = width, pipe: bool = pipelined
+                    ) -> None:
+                        for h, raw in views:
+                            feeder.feed(h, raw[lo * w : hi * w], pipe)
 
-                positions, masks, news = scan_changes(
-                    b, n, tile=tile // width, after=hash_tile if hashers else None
-                )  # fmt: skip
-                item = encode_changes(
-                    u.name, Region.range(u.start, u.stop), positions, masks, news, len(n), _const(b, n), op=u.op,
-                    level=level,
-                )  # fmt: skip
-                del positions, masks, news, views
-                if progress:
-                    progress((u.stop - u.start) * u.itemsize)
-                if item is not None:
-                    yield item
+                    positions, masks, news = scan_changes(
+                        b, n, tile=tile // width, after=hash_tile if hashers else None
+                    )  # fmt: skip
+                    item = encode_changes(
+                        u.name, Region.range(u.start, u.stop), positions, masks, news, len(n), _const(b, n), op=u.op,
+                        level=level,
+                    )  # fmt: skip
+                    del positions, masks, news, views
+                    if progress:
+                        progress((u.stop - u.start) * u.itemsize)
+                    if item is not None:
+                        yield item
         finally:
             feeder.close()
         for h, _, digests in hashers:
