@@ -31,7 +31,7 @@ from ..format.dtypes import numel
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
 from ..io.gc_pause import fewer_collections
-from ..io.pool import default_workers, ordered_stream
+from ..io.pool import Inline, default_workers, ordered_stream
 from .plan import (
     CHUNK_BYTES,
     Band,
@@ -153,7 +153,9 @@ TILE_BYTES = 256 << 10
 # Tensors up to SMALL_TENSOR_BYTES are diffed in batches of consecutive ones, one pool task per
 # batch of about BATCH_BYTES (or BATCH_TENSORS): an MoE checkpoint has 100k tensors of a few KiB,
 # and a task per tensor costs more in scheduling and thread hand-offs than its scan. A batch emits
-# exactly the items its tensors would alone, in the same order (the delta is byte-identical).
+# exactly the items its tensors would alone, in the same order (the delta is byte-identical). A batch
+# holds the GIL almost throughout (tiny scans, frames and digests): it runs on the consuming thread
+# (pool.Inline), so its items reach the writer without a thread hand-off each.
 SMALL_TENSOR_BYTES = 256 << 10
 BATCH_BYTES = 4 << 20
 BATCH_TENSORS = 512
@@ -450,19 +452,19 @@ def execute(
                     batch.append((u.name, ranges))
                     batch_bytes += nbytes
                     if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
-                        yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                        yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
                         batch, batch_bytes = [], 0
                     i = j
                     continue
                 if batch:
-                    yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                    yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
                     batch, batch_bytes = [], 0
                 if workers == 1 or nbytes <= share:
                     yield _scan_cost(CHUNK_BYTES), _bind2(tensor_task, u.name, ranges)
                     i = j
                     continue
             if batch:
-                yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
                 batch, batch_bytes = [], 0
             if isinstance(u, RangeUnit):
                 yield _scan_cost((u.stop - u.start) * u.itemsize), _bind(range_task, u)
@@ -488,7 +490,7 @@ def execute(
                 raise TypeError(f"unknown plan unit {u!r}")
             i += 1
         if batch:
-            yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+            yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
 
     if plan.rank is not None:
         from ..delta.parts import part_dir
