@@ -356,3 +356,123 @@ def test_a_command_freezes_the_heap_at_exit_and_still_runs_later_handlers(tmp_pa
     assert done.returncode == 0, done.stderr
     assert "frozen at exit: True" in done.stderr  # the freeze ran first, the earlier handler after it
     assert json.loads(done.stdout)["items"]  # stdout was flushed whole
+
+
+def test_a_pause_defers_older_collections_and_promotes_its_survivors_without_a_pass() -> None:
+    """Inside a pause the middle and oldest generations wait; at its end the survivors go to the
+    oldest generation with no collection over them, cyclic garbage made meanwhile is still found by
+    the next full collection, and a heap frozen by someone else stays frozen."""
+    import gc
+    import weakref
+
+    from dcr_cli.io.gc_pause import OLDER, fewer_collections
+
+    class Node:
+        pass
+
+    before = gc.get_threshold()
+    passes: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            passes.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        with fewer_collections():
+            assert all(t >= max(b, OLDER) for t, b in zip(gc.get_threshold()[1:], before[1:], strict=True))
+            kept = [Node() for _ in range(1000)]
+            cycle = Node()
+            cycle.me = cycle  # type: ignore[attr-defined]
+            dead = weakref.ref(cycle)
+            del cycle
+            passes.clear()
+        assert passes == []  # leaving the pause ran no collection
+        assert gc.get_threshold() == before
+        survivors = {id(o) for o in gc.get_objects(generation=2)}
+        assert all(id(k) in survivors for k in kept)  # promoted to the oldest generation
+        assert dead() is not None  # garbage in a cycle waits for a full collection ...
+        gc.collect()
+        assert dead() is None  # ... which finds it: nothing was leaked into a frozen generation
+        assert gc.get_freeze_count() == 0
+        gc.freeze()  # a host that froze its heap (e.g. a server before forking)
+        try:
+            frozen = gc.get_freeze_count()
+            with fewer_collections():
+                more = [Node() for _ in range(10)]
+            assert gc.get_freeze_count() == frozen  # left frozen, not unfrozen by the pause
+            assert more
+        finally:
+            gc.unfreeze()
+    finally:
+        gc.callbacks.remove(count)
+
+
+def test_fingerprint_orders_names_by_their_utf8_bytes() -> None:
+    """The fingerprint's plain sort of names is the order of their UTF-8 bytes (format_spec §4.3),
+    for names across the planes too; the shape cache does not mix tensors up."""
+    from dcr_cli.format.digest import digest_bytes
+    from dcr_cli.format.manifest import TensorEntry, fingerprint
+
+    def reference(tensors: dict[str, TensorEntry]) -> str:
+        lines = [
+            f"{name}\t{t.dtype}\t{','.join(str(s) for s in t.shape)}\t{t.digest}\n"
+            for name, t in sorted(tensors.items(), key=lambda kv: kv[0].encode("utf-8"))
+        ]
+        return digest_bytes("".join(lines).encode("utf-8"))
+
+    names = ["b", "a", "B", "é", "\uffff", "\U0001f600", "\ue000", "z\u00e9", "ze", "", "\x7f", "\u0800"]
+    rng = np.random.default_rng(3)
+    shapes = [(), (3,), (2, 5), (3,), (1, 1, 1)]
+    digests = [f"{int(rng.integers(1 << 62)):064x}" for _ in names]
+    tensors = {n: TensorEntry("BF16", shapes[i % len(shapes)], digests[i]) for i, n in enumerate(names)}
+    assert fingerprint(tensors) == reference(tensors)
+    assert sorted(names) == sorted(names, key=lambda n: n.encode("utf-8"))
+    with pytest.raises(UnicodeEncodeError):
+        fingerprint({"\ud800": tensors["a"]})
+
+
+def test_one_pass_header_check_is_the_two_step_one(tmp_path: Path) -> None:
+    """header_locations gives exactly the locations of parse_header + _locations, and refuses every
+    bad header with the two-step path's message."""
+
+    def two_step(f: Path, raw: bytes, start: int, size: int) -> list[safetensors_dir.TensorLocation] | str:
+        try:
+            return safetensors_dir._locations(f, safetensors_dir.parse_header(f, raw), start, size)
+        except FormatError as exc:
+            return str(exc)
+
+    def one_pass(f: Path, raw: bytes, start: int, size: int) -> list[safetensors_dir.TensorLocation] | str:
+        try:
+            return safetensors_dir.header_locations(f, raw, start, size)
+        except FormatError as exc:
+            return str(exc)
+
+    f = tmp_path / "x.safetensors"
+    e = {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]}
+    headers = [
+        {"a": e, "b": {**e, "data_offsets": [12, 24]}},
+        {"b": {**e, "data_offsets": [12, 24]}, "a": e, "__metadata__": {"k": "v"}},  # offsets out of order
+        {"z": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "a": {**e, "dtype": "U8", "shape": [12]}},
+        {"s": {"dtype": "F64", "shape": [], "data_offsets": [0, 8]}},
+        {"a": e, "b": e},  # overlapping data
+        {"a": {**e, "shape": [2, True]}},
+        {"a": {**e, "shape": [2, -3]}},
+        {"a": {**e, "data_offsets": [0, 10]}},
+        {"a": {**e, "data_offsets": [12, 0]}},
+        {"a": {**e, "data_offsets": [0, 1 << 40]}},  # past the end of the file
+        {"a": {**e, "dtype": "Q4"}},
+        {"a": {**e, "dtype": 7}},
+        {"a": [1, 2]},
+        {"a": {**e, "data_offsets": [0.0, 12]}},
+        {"a": {**e, "data_offsets": [0]}},
+        {"__metadata__": {"k": 1}, "a": e},
+        {"a": {k: v for k, v in e.items() if k != "shape"}},
+        [1, 2],
+    ]
+    for header in headers:
+        raw = json.dumps(header).encode()
+        assert one_pass(f, raw, 100, 124) == two_step(f, raw, 100, 124), header
+    assert isinstance(one_pass(f, json.dumps(headers[1]).encode(), 100, 124), list)
+    assert "overlap" in str(one_pass(f, json.dumps(headers[4]).encode(), 100, 124))

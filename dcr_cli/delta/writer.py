@@ -24,6 +24,7 @@ from ..format.manifest import (
     BLOCKS_DIR,
     FORMAT_MAJOR,
     MANIFEST_NAME,
+    MANIFEST_ZSTD_LEVEL,
     TARGET_BLOCK_BYTES,
     BlockEntry,
     BlockRole,
@@ -76,12 +77,15 @@ class DeltaWriter:
         block_bytes: int = TARGET_BLOCK_BYTES,
         on_block: Callable[[str, bytes], None] | None = None,
         major: int = FORMAT_MAJOR,
+        manifest_level: int = MANIFEST_ZSTD_LEVEL,
     ) -> None:
         """``on_block(id, data)`` is called with every block as soon as it is on disk (e.g. to start its
         upload while the rest of the delta is still being computed). ``major`` is the delta format major
-        written (it decides the section digests, so it is fixed before the first section)."""
+        written (it decides the section digests, so it is fixed before the first section);
+        ``manifest_level`` the zstd level of a 2.x manifest's frame (a writer's choice)."""
         self.out = Path(out)
         self.major = major
+        self.manifest_level = manifest_level
         self.on_block = on_block
         if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
             raise ConflictError(f"{self.out} already exists; choose a new output path or remove it")
@@ -185,7 +189,7 @@ class DeltaWriter:
                 extra=dict(extra or {}),
                 major=self.major,
             )
-            manifest.raw = manifest.to_json_bytes()
+            manifest.raw = manifest.to_json_bytes(self.manifest_level)
             self.commit(MANIFEST_NAME, manifest.raw)
             return manifest
 
