@@ -476,3 +476,40 @@ def test_one_pass_header_check_is_the_two_step_one(tmp_path: Path) -> None:
         assert one_pass(f, raw, 100, 124) == two_step(f, raw, 100, 124), header
     assert isinstance(one_pass(f, json.dumps(headers[1]).encode(), 100, 124), list)
     assert "overlap" in str(one_pass(f, json.dumps(headers[4]).encode(), 100, 124))
+
+
+def test_sections_read_together_are_the_sections_read_one_by_one(tmp_path: Path) -> None:
+    """Delta.read_sections: the bytes of read_section for each, with one read per adjacent run; a bad
+    digest or a short block is refused naming the item, as read_section refuses it."""
+    from dataclasses import replace
+
+    base, new = _moe_pair(tmp_path, experts=8)
+    engine.diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
+    delta = Delta.open(tmp_path / "d")
+    sections = [it.data for it in delta.manifest.items]
+    reads = {"n": 0}
+    real = delta.source.read
+
+    def counting(block, start, end):  # type: ignore[no-untyped-def]
+        reads["n"] += 1
+        return real(block, start, end)
+
+    delta.source.read = counting  # type: ignore[method-assign]
+    together = delta.read_sections(sections, lambda i: f"item {i}")
+    assert reads["n"] < len(sections) / 5  # adjacent sections were read at once
+    assert together == [delta.read_section(s, "x") for s in sections]
+    bad = list(sections)
+    bad[5] = replace(bad[5], digest="0" * len(bad[5].digest))
+    with pytest.raises(IntegrityError, match=r"^item 5: .*corrupt \(digest mismatch\)"):
+        delta.read_sections(bad, lambda i: f"item {i}")
+    block = delta.manifest.blocks[sections[-1].block]
+    long = [*sections[:-1], replace(sections[-1], length=block.size - sections[-1].offset + 7)]
+    with pytest.raises(IntegrityError, match=rf"^item {len(sections) - 1}: .*truncated"):
+        delta.read_sections(long, lambda i: f"item {i}")
+    # preread hands each checked section to the next read_section of it, once
+    delta.preread(sections[:3], lambda i: f"item {i}")
+    before = reads["n"]
+    assert [delta.read_section(s, "x") for s in sections[:3]] == together[:3]
+    assert reads["n"] == before
+    delta.read_section(sections[0], "x")
+    assert reads["n"] == before + 1

@@ -69,17 +69,20 @@ class Run:
         return self.hi - self.lo == self.last - self.first + 1
 
 
-def runs_of(index: np.ndarray, segment: np.ndarray, itemsize: int) -> list[Run]:
-    """Split sorted canonical ``index`` into runs; ``segment`` ids mark contiguous stretches of the region."""
+def runs_of(index: np.ndarray, segment: np.ndarray | None, itemsize: int) -> list[Run]:
+    """Split sorted canonical ``index`` into runs; ``segment`` ids mark contiguous stretches of the region
+    (None: the region is one stretch, as a flat range is)."""
     if index.size == 0:
         return []
     gap, cap = max(1, GAP_BYTES // itemsize), max(1, RUN_BYTES // itemsize)
     first, last = int(index[0]), int(index[-1])
-    if last - first <= gap and first // cap == last // cap and segment[0] == segment[-1]:
+    if last - first <= gap and first // cap == last // cap and (segment is None or segment[0] == segment[-1]):
         # No cut anywhere (every step is within the span; segments and caps only grow): one run,
         # without the three passes below (the common case of a small item).
         return [Run(first, last, 0, int(index.size))]
-    cut = (np.diff(index) > gap) | (np.diff(segment) != 0) | (np.diff(index // cap) != 0)
+    cut = (np.diff(index) > gap) | (np.diff(index // cap) != 0)
+    if segment is not None:
+        cut |= np.diff(segment) != 0
     bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), int(index.size)]
     return [Run(int(index[lo]), int(index[hi - 1]), lo, hi) for lo, hi in itertools.pairwise(bounds)]
 
@@ -152,6 +155,10 @@ class InPlaceFiles:
         """Current values at ``index`` (sorted canonical indices, or a contiguous slice)."""
         if isinstance(index, slice):
             return self.read(name, index.start, index.stop)
+        if len(runs) == 1:  # a small item: one read, one copy out of the scratch buffer
+            (run,) = runs
+            span = self.read(name, run.first, run.last + 1, scratch=True)
+            return span.copy() if run.dense else span[index - run.first]
         out = np.empty(index.size, dtype=self._uint(name))
         for run in runs:
             span = self.read(name, run.first, run.last + 1, scratch=True)
