@@ -513,3 +513,37 @@ def test_sections_read_together_are_the_sections_read_one_by_one(tmp_path: Path)
     assert reads["n"] == before
     delta.read_section(sections[0], "x")
     assert reads["n"] == before + 1
+
+
+def test_digest_cache_entries_are_checked_whole_and_not_rewritten_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcr_cli.io import digest_cache
+
+    monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
+    good = {f"t{i}": f"{i:064x}" for i in range(50)}
+    digest_cache.save_entry("k", good)
+    assert digest_cache.load_entry("k") == good
+    for bad_value in ("A" * 64, "0" * 63, 7, None, "g" * 64):
+        digest_cache.save_entry("k", {**good, "t3": bad_value})  # type: ignore[dict-item]
+        assert digest_cache.load_entry("k") == {}, bad_value  # damaged: a miss, as before
+    (tmp_path / "cache" / "k").write_text(json.dumps([1, 2]))
+    assert digest_cache.load_entry("k") == {}
+
+    base, _ = _moe_pair(tmp_path, experts=2, shards=1)
+    with SafetensorsCheckpoint(base) as ckpt:
+        digests = ckpt.tensor_digests()  # hashed and saved
+    saves = {"n": 0}
+    real = digest_cache.save
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        saves["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(digest_cache, "save", counting)
+    with SafetensorsCheckpoint(base) as ckpt:
+        assert ckpt.cached_digests() == digests
+        ckpt.remember_digests(digests)
+        assert saves["n"] == 0  # the cache held exactly these
+        ckpt.remember_digests({**digests, "embed": "0" * 64})
+        assert saves["n"] == 1

@@ -143,6 +143,7 @@ class SafetensorsCheckpoint:
         files = self._files()
         # Digest-cache keys as the files were before anything was hashed (see remember_digests).
         self._cache_keys: dict[Path, str] = {}
+        self._cached: dict[Path, dict[str, str]] = {}  # entries cached_digests found, under those keys
         for file in files:
             self._add_file(file)
             self._cache_keys[file] = digest_cache.key(file)
@@ -205,6 +206,8 @@ class SafetensorsCheckpoint:
         for file, names in by_file.items():
             cached = digest_cache.load(file) if digest_cache.key(file) == self._cache_keys[file] else {}
             out.update({n: cached[n] for n in names if n in cached})
+            if cached:
+                self._cached[file] = cached
         return out
 
     def remember_digests(self, digests: dict[str, str]) -> None:
@@ -213,7 +216,7 @@ class SafetensorsCheckpoint:
         for name, loc in self.tensors.items():
             by_file.setdefault(loc.file, {})[name] = digests.get(name, "")
         for file, table in by_file.items():
-            if all(table.values()):
+            if all(table.values()) and table != self._cached.get(file):  # the cache holds these already
                 digest_cache.save(file, table, self._cache_keys[file])
 
     def tensor_digests(self) -> dict[str, str]:
@@ -229,7 +232,8 @@ class SafetensorsCheckpoint:
         return {n: (t.dtype, t.shape) for n, t in self.tensors.items()}
 
     def tensor_table(self, digests: dict[str, str]) -> dict[str, TensorEntry]:
-        return {n: TensorEntry(t.dtype, t.shape, digests[n]) for n, t in sorted(self.tensors.items())}
+        tensors = self.tensors
+        return {n: TensorEntry(tensors[n].dtype, tensors[n].shape, digests[n]) for n in sorted(tensors)}
 
     def close(self) -> None:
         for m in self._maps.values():

@@ -611,8 +611,9 @@ def diff(
                 raise IncompatibleError(
                     "--rank/--world-size split training shards; an HF directory is diffed by one process"
                 )
-            check_layouts(b_src.layout(), n_src.layout())
-            plan = plan_tensors(n_src.layout(), overwrite)
+            n_layout = n_src.layout()
+            check_layouts(b_src.layout(), n_layout)
+            plan = plan_tensors(n_layout, overwrite)
             b_side: Any = HfSide(b_src)
             n_side: Any = HfSide(n_src)
         else:
