@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import FormatError, IncompatibleError
 from ..format.digest import digest_bytes
-from ..format.dtypes import DType, numel
+from ..format.dtypes import DType, numel, uint_of
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import TensorEntry
 from ..format.strict_json import load_json
@@ -189,13 +189,12 @@ class SafetensorsCheckpoint:
     def view(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Flat unsigned-integer view of elements [start, stop) of a tensor (no copy)."""
         loc = self.tensors[name]
-        dt = lookup_dtype(loc.dtype)
+        uint = uint_of(loc.dtype)
         stop = loc.numel if stop is None else stop
         if stop <= start:
-            return np.empty(0, dtype=dt.uint)
-        return np.frombuffer(
-            self._map(loc.file), dtype=dt.uint, count=stop - start, offset=loc.start + start * dt.itemsize
-        )
+            return np.empty(0, dtype=uint)
+        offset = loc.start + start * uint.itemsize
+        return np.frombuffer(self._map(loc.file), dtype=uint, count=stop - start, offset=offset)
 
     def cached_digests(self) -> dict[str, str]:
         """Tensor digests remembered for these exact files (see digest_cache); may be partial."""

@@ -104,19 +104,25 @@ class HfSide:
     def release_tensors(self, names: Sequence[str]) -> None:
         """``release_tensor`` of a batch of small tensors: one unmap per file over the span they cover
         where that span is about their own size (tensors of a batch are usually neighbours in the file)."""
-        spans: dict[Path, list[int]] = {}
-        total: dict[Path, int] = {}
+        spans: dict[Path, list[int]] = {}  # file -> [lo, hi, bytes of the batch's tensors in it]
+        tensors = self.ckpt.tensors
+        file: Path | None = None
+        span: list[int] = []
         for name in names:
-            loc = self.ckpt.tensors[name]
+            loc = tensors[name]
             if not loc.nbytes:
                 continue
-            span = spans.get(loc.file)
-            if span is None:
-                spans[loc.file] = [loc.start, loc.start + loc.nbytes]
-            else:
-                span[0], span[1] = min(span[0], loc.start), max(span[1], loc.start + loc.nbytes)
-            total[loc.file] = total.get(loc.file, 0) + loc.nbytes
-        for file, (lo, hi) in spans.items():
+            if loc.file is not file:  # neighbours share their file's Path object: no hashing per tensor
+                file = loc.file
+                span = spans.setdefault(file, [loc.start, loc.start + loc.nbytes, 0])
+            end = loc.start + loc.nbytes
+            if loc.start < span[0]:
+                span[0] = loc.start
+            if end > span[1]:
+                span[1] = end
+            span[2] += loc.nbytes
+        total = {f: s[2] for f, s in spans.items()}
+        for file, (lo, hi, _) in spans.items():
             if hi - lo <= 2 * total[file] + (64 << 10):
                 release_pages(self.ckpt._map(file), lo, hi - lo)
             else:

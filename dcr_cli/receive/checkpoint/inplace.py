@@ -26,6 +26,7 @@ import numpy as np
 
 from ...checkpoints.safetensors_dir import TensorLocation
 from ...errors import IntegrityError
+from ...format.codec import small_bytes
 from ...format.digest import StreamingDigest
 from ...format.dtypes import dtype as lookup_dtype
 from ...format.manifest import TensorEntry
@@ -54,7 +55,7 @@ SMALL_DIGEST_BYTES = 1 << 20
 
 def digest_small(values: np.ndarray) -> str:
     """``digest_bytes`` of an array of at most SMALL_DIGEST_BYTES (the same digest, fewer calls)."""
-    return blake3.blake3(np.ascontiguousarray(values).view(np.uint8).data).hexdigest()
+    return blake3.blake3(small_bytes(values)).hexdigest()
 
 
 @dataclass(frozen=True)
