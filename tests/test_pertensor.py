@@ -547,3 +547,34 @@ def test_digest_cache_entries_are_checked_whole_and_not_rewritten_unchanged(
         assert saves["n"] == 0  # the cache held exactly these
         ckpt.remember_digests({**digests, "embed": "0" * 64})
         assert saves["n"] == 1
+
+
+def test_neighbouring_small_tensors_scanned_as_one_span_give_the_same_delta(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's neighbours laid out alike on both sides are scanned as one span; the delta is byte for
+    byte the one of per-tensor scans, also where the sides are laid out differently (no span fits)."""
+    base, new = _moe_pair(tmp_path)
+    with SafetensorsCheckpoint(new) as ckpt:
+        tensors = {n: (t.dtype, t.shape, ckpt.view(n).copy()) for n, t in ckpt.tensors.items()}
+    shuffled = write_checkpoint(tmp_path / "v1-shuffled", dict(reversed(list(tensors.items()))), shards=2)
+    calls = {"n": 0}
+    real = engine.scan_changes
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "scan_changes", counting)  # the spans' scans
+    monkeypatch.setattr(codec, "scan_changes", counting)  # a tensor's own scan (diff_region)
+    spans = _diff(base, new, tmp_path / "spans", workers=2)
+    span_scans = calls["n"]
+    other_layout = _diff(base, shuffled, tmp_path / "other-layout", workers=2)
+    monkeypatch.setattr(engine, "SPAN_BYTES", 0)  # every tensor scanned alone
+    calls["n"] = 0
+    alone = _diff(base, new, tmp_path / "alone", workers=2)
+    assert spans == alone
+    assert span_scans < len(tensors) / 5 < calls["n"], (span_scans, calls["n"])  # it did scan spans
+    assert other_layout == alone
+    assert dcr_cli.apply(tmp_path / "spans", into=copy_checkpoint(base, tmp_path / "recv")).steps
+    assert read_raw(tmp_path / "recv") == read_raw(new)
