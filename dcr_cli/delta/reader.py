@@ -253,10 +253,15 @@ class Delta:
     def decode(self, item: Item) -> DecodedItem:
         from ..format.codec import decode_data  # its kernels import numba: only what decodes pays for it
 
-        what = f"{item.tensor} {item.region.to_json()}"
-        data = self.read_section(item.data, what)
+        data = self._preread.pop(id(item.data), None)  # read and checked by preread
+        if data is None:
+            data = self.read_section(item.data, f"{item.tensor} {item.region.to_json()}")
         dt = lookup_dtype(self.manifest.tensors[item.tensor].dtype)
-        return decode_data(data, item.positions_length, item.op, item.count, item.region.size, dt, what)
+        try:
+            return decode_data(data, item.positions_length, item.op, item.count, item.region.size, dt, "")
+        except DcrError:  # decoded again to raise the same error with the item's name (made only now)
+            what = f"{item.tensor} {item.region.to_json()}"
+            return decode_data(data, item.positions_length, item.op, item.count, item.region.size, dt, what)
 
     def repair_values(self, item: Item) -> np.ndarray:
         """Target values at the item's positions: what an absolute overwrite writes."""

@@ -93,7 +93,7 @@ class Region:
         positions = positions.astype(np.int64, copy=False)
         if not self.is_box:
             assert self.start is not None
-            return positions + self.start
+            return positions + self.start if self.start else positions
         assert self.offsets is not None and self.sizes is not None
         if len(shape) == 0:
             return positions

@@ -265,8 +265,9 @@ def first_pass(delta: Delta, files: InPlaceFiles, resuming: bool, workers: int) 
     kept = 0
     for batch in ordered_parallel((task(*b) for b in item_batches(items)), workers):
         for prepared in batch:
-            if kept + prepared.nbytes <= PREPARED_BYTES:
-                kept += prepared.nbytes
+            nbytes = prepared.nbytes
+            if kept + nbytes <= PREPARED_BYTES:
+                kept += nbytes
                 out.append(prepared)
             else:
                 out.append(prepared.drop())
