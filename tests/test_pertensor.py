@@ -578,3 +578,20 @@ def test_neighbouring_small_tensors_scanned_as_one_span_give_the_same_delta(
     assert other_layout == alone
     assert dcr_cli.apply(tmp_path / "spans", into=copy_checkpoint(base, tmp_path / "recv")).steps
     assert read_raw(tmp_path / "recv") == read_raw(new)
+
+
+def test_make_item_is_the_dataclass_item() -> None:
+    import dataclasses
+
+    from dcr_cli.format.manifest import Item, Region, Section, make_item
+
+    data, repair = Section(0, 4, 20, "a" * 32), Section(1, 0, 9, "b" * 32)
+    for fields in (
+        ("t", Region.range(0, 8), "xor", 3, data, 5, "c" * 64, "d" * 64, repair, None, None),
+        ("u", Region.box((1, 0), (2, 3)), "replace", 6, data, 0, "e" * 64, "f" * 64, None, "cast", 2),
+    ):
+        made, built = make_item(*fields), Item(*fields)  # type: ignore[arg-type]
+        assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+        assert dataclasses.astuple(made) == dataclasses.astuple(built)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            made.count = 1  # type: ignore[misc]

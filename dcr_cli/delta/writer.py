@@ -33,6 +33,7 @@ from ..format.manifest import (
     Section,
     TensorEntry,
     VersionRef,
+    make_item,
     section_digest,
 )
 from ..io.files import fsync_dir, write_atomic
@@ -136,18 +137,8 @@ class DeltaWriter:
         for packer in self._packers.values():
             packer.flush()
         return [
-            Item(
-                tensor=tensor,
-                region=region,
-                op=op,
-                count=count,
-                data=s["data"],
-                positions_length=positions_length,
-                pre=pre,
-                post=post,
-                repair=s.get("repair"),
-                residual=residual,
-                changed=changed,
+            make_item(
+                tensor, region, op, count, s["data"], positions_length, pre, post, s.get("repair"), residual, changed
             )
             for (tensor, region, op, count, positions_length, pre, post, residual, changed), s in zip(
                 self._items, self._sections, strict=True
