@@ -595,3 +595,22 @@ def test_make_item_is_the_dataclass_item() -> None:
         assert dataclasses.astuple(made) == dataclasses.astuple(built)
         with pytest.raises(dataclasses.FrozenInstanceError):
             made.count = 1  # type: ignore[misc]
+
+
+def test_a_reopened_checkpoint_rereads_a_changed_index(tmp_path: Path) -> None:
+    base, _ = _moe_pair(tmp_path, experts=2, shards=2)
+    index = base / safetensors_dir.INDEX_NAME
+    good = index.read_bytes()
+    with SafetensorsCheckpoint(base) as first:
+        names = set(first.tensors)
+    with SafetensorsCheckpoint(base) as again:  # the same bytes: the names kept from the first parse
+        assert set(again.tensors) == names
+    index.write_bytes(good.replace(b'"weight_map"', b'"weight_map": {}, "weight_map"'))
+    with pytest.raises(FormatError, match="duplicate key"):
+        SafetensorsCheckpoint(base)
+    index.write_bytes(good.replace(b"model-00002-of-00002", b"model-00003-of-00002"))
+    with pytest.raises(dcr_cli.errors.IncompatibleError, match="missing"):
+        SafetensorsCheckpoint(base)
+    index.write_bytes(good)
+    with SafetensorsCheckpoint(base) as restored:
+        assert set(restored.tensors) == names

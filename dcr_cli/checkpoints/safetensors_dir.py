@@ -120,10 +120,19 @@ def check_header_entry(path: Path, name: str, meta: object) -> None:
 
 def read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> file name) of a ``model.safetensors.index.json``, read strictly."""
+    return parse_index(index, read_index_bytes(index))
+
+
+def read_index_bytes(index: Path) -> bytes:
     with open(index, "rb") as f:
         raw = f.read(MAX_INDEX_BYTES + 1)
     if len(raw) > MAX_INDEX_BYTES:
         raise FormatError(f"{index}: over the {MAX_INDEX_BYTES} byte limit of a safetensors index")
+    return raw
+
+
+def parse_index(index: Path, raw: bytes) -> dict[str, str]:
+    """:func:`read_index` of index bytes already read."""
     obj = load_json(raw, str(index))
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
@@ -151,9 +160,16 @@ class SafetensorsCheckpoint:
     def _files(self) -> list[Path]:
         index = self.root / INDEX_NAME
         if index.exists():
-            weight_map = read_index(index)
+            raw = read_index_bytes(index)
+            known = _INDEXES.get(index)
+            if known is not None and known[0] == raw:  # the same bytes parse to the same names
+                names = known[1]
+            else:
+                names = sorted(set(parse_index(index, raw).values()))
+                _INDEXES.clear()  # one kept: an apply opens its checkpoint four times
+                _INDEXES[index] = (raw, names)
             # One check per file, not per tensor: an MoE index names the same few shards 100k times.
-            return sorted({safe_child(self.root, f) for f in set(weight_map.values())})
+            return sorted({safe_child(self.root, f) for f in names})
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:
             raise IncompatibleError(f"{self.root} holds no *.safetensors files")
@@ -377,6 +393,8 @@ class _ParsedHeaders:
 
 
 _PARSED = _ParsedHeaders(max_bytes=256 << 20)
+# The file names of the index read last, by its path: (its bytes, the names); a hit needs the same bytes.
+_INDEXES: dict[Path, tuple[bytes, list[str]]] = {}
 
 
 def layout_mismatch(a: dict[str, tuple[str, tuple[int, ...]]], b: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
