@@ -17,7 +17,6 @@ from typing import Any, NoReturn
 import click
 
 from ..errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, DcrError
-from ..io.gc_pause import fewer_collections
 
 BUG_HINT = "this is a bug in dcr; please report it with the command line"
 
@@ -107,11 +106,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         freeze_heap_at_exit()
         try:
-            # The whole command in one collector pause (io.gc_pause): its imports and its output
-            # too, so the passes deferred while the API call built its tables do not run over them
-            # after it returns; the process exits next (see freeze_heap_at_exit).
-            with fewer_collections():
-                return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except (SystemExit, click.exceptions.Exit):
             raise
         except BaseException as exc:
