@@ -32,7 +32,7 @@ MAX_HEADER_BYTES = 100 << 20
 MAX_INDEX_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorLocation:
     name: str
     dtype: str

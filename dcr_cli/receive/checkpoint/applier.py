@@ -164,7 +164,7 @@ def check_layout(delta: Delta, ckpt: SafetensorsCheckpoint, root: Path) -> None:
 # --------------------------------------------------------------------------- items
 
 
-@dataclass
+@dataclass(slots=True)
 class Prepared:
     """An item after the first pass: its outcome, and (within the budget) what to write."""
 

@@ -58,7 +58,7 @@ def digest_small(values: np.ndarray) -> str:
     return blake3.blake3(small_bytes(values)).hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Run:
     first: int  # canonical flat index of the first element
     last: int  # ... and of the last (inclusive)
