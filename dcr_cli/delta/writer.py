@@ -59,7 +59,7 @@ class _BlockPacker:
             return
         index = self.writer._store_block(bytes(self.buffer), self.role)
         for item_index, field, offset, length, digest in self.pending:
-            self.writer._sections[item_index][field] = Section(index, offset, length, digest)
+            self.writer._sections[field][item_index] = Section(index, offset, length, digest)
         self.buffer = bytearray()
         self.pending = []
 
@@ -101,7 +101,7 @@ class DeltaWriter:
         # An added item's fields (tensor, region, op, count, positions_length, pre, post, residual,
         # changed): its section bytes live in the packers' blocks once added.
         self._items: list[tuple[Any, ...]] = []
-        self._sections: list[dict[str, Section]] = []
+        self._sections: dict[str, list[Section | None]] = {"data": [], "repair": []}  # by field, by item index
         self._blocks: list[BlockEntry] = []
         self._packers = {"data": _BlockPacker(self, "data"), "repair": _BlockPacker(self, "repair")}
 
@@ -121,7 +121,8 @@ class DeltaWriter:
     def add(self, item: EncodedItem) -> None:
         with self._lock:
             index = len(self._items)
-            self._sections.append({})
+            self._sections["data"].append(None)
+            self._sections["repair"].append(None)
             self._packers["data"].add(index, "data", item.data)
             if item.repair is not None:
                 self._packers["repair"].add(index, "repair", item.repair)
@@ -137,11 +138,9 @@ class DeltaWriter:
         for packer in self._packers.values():
             packer.flush()
         return [
-            make_item(
-                tensor, region, op, count, s["data"], positions_length, pre, post, s.get("repair"), residual, changed
-            )
-            for (tensor, region, op, count, positions_length, pre, post, residual, changed), s in zip(
-                self._items, self._sections, strict=True
+            make_item(tensor, region, op, count, data, positions_length, pre, post, repair, residual, changed)  # type: ignore[arg-type]  # every item has its data section
+            for (tensor, region, op, count, positions_length, pre, post, residual, changed), data, repair in zip(
+                self._items, self._sections["data"], self._sections["repair"], strict=True
             )
         ]
 
