@@ -335,3 +335,282 @@ def test_fewer_collections_nests_and_restores_the_thresholds() -> None:
             assert gc.get_threshold()[0] == 0
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_command_freezes_the_heap_at_exit_and_still_runs_later_handlers(tmp_path: Path) -> None:
+    """The exit-time collections skip what a command left alive (gc.freeze in atexit); the atexit
+    handlers registered before it still run afterwards, and the command's output is complete."""
+    import subprocess
+    import sys
+
+    base, new = _moe_pair(tmp_path, experts=4)
+    engine.diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
+    probe = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0, file=sys.stderr))\n"
+        "from dcr_cli.cli import main\n"
+        f"main(['inspect', {str(tmp_path / 'd')!r}, '--json'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(Path(dcr_cli.__file__).parents[1])] if p)}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "frozen at exit: True" in done.stderr  # the freeze ran first, the earlier handler after it
+    assert json.loads(done.stdout)["items"]  # stdout was flushed whole
+
+
+def test_a_pause_defers_older_collections_and_promotes_its_survivors_without_a_pass() -> None:
+    """Inside a pause the middle and oldest generations wait; at its end the survivors go to the
+    oldest generation with no collection over them, cyclic garbage made meanwhile is still found by
+    the next full collection, and a heap frozen by someone else stays frozen."""
+    import gc
+    import weakref
+
+    from dcr_cli.io.gc_pause import OLDER, fewer_collections
+
+    class Node:
+        pass
+
+    before = gc.get_threshold()
+    passes: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            passes.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        with fewer_collections():
+            assert all(t >= max(b, OLDER) for t, b in zip(gc.get_threshold()[1:], before[1:], strict=True))
+            kept = [Node() for _ in range(1000)]
+            cycle = Node()
+            cycle.me = cycle  # type: ignore[attr-defined]
+            dead = weakref.ref(cycle)
+            del cycle
+            passes.clear()
+        assert passes == []  # leaving the pause ran no collection
+        assert gc.get_threshold() == before
+        survivors = {id(o) for o in gc.get_objects(generation=2)}
+        assert all(id(k) in survivors for k in kept)  # promoted to the oldest generation
+        assert dead() is not None  # garbage in a cycle waits for a full collection ...
+        gc.collect()
+        assert dead() is None  # ... which finds it: nothing was leaked into a frozen generation
+        assert gc.get_freeze_count() == 0
+        gc.freeze()  # a host that froze its heap (e.g. a server before forking)
+        try:
+            frozen = gc.get_freeze_count()
+            with fewer_collections():
+                more = [Node() for _ in range(10)]
+            assert gc.get_freeze_count() == frozen  # left frozen, not unfrozen by the pause
+            assert more
+        finally:
+            gc.unfreeze()
+    finally:
+        gc.callbacks.remove(count)
+
+
+def test_fingerprint_orders_names_by_their_utf8_bytes() -> None:
+    """The fingerprint's plain sort of names is the order of their UTF-8 bytes (format_spec §4.3),
+    for names across the planes too; the shape cache does not mix tensors up."""
+    from dcr_cli.format.digest import digest_bytes
+    from dcr_cli.format.manifest import TensorEntry, fingerprint
+
+    def reference(tensors: dict[str, TensorEntry]) -> str:
+        lines = [
+            f"{name}\t{t.dtype}\t{','.join(str(s) for s in t.shape)}\t{t.digest}\n"
+            for name, t in sorted(tensors.items(), key=lambda kv: kv[0].encode("utf-8"))
+        ]
+        return digest_bytes("".join(lines).encode("utf-8"))
+
+    names = ["b", "a", "B", "é", "\uffff", "\U0001f600", "\ue000", "z\u00e9", "ze", "", "\x7f", "\u0800"]
+    rng = np.random.default_rng(3)
+    shapes = [(), (3,), (2, 5), (3,), (1, 1, 1)]
+    digests = [f"{int(rng.integers(1 << 62)):064x}" for _ in names]
+    tensors = {n: TensorEntry("BF16", shapes[i % len(shapes)], digests[i]) for i, n in enumerate(names)}
+    assert fingerprint(tensors) == reference(tensors)
+    assert sorted(names) == sorted(names, key=lambda n: n.encode("utf-8"))
+    with pytest.raises(UnicodeEncodeError):
+        fingerprint({"\ud800": tensors["a"]})
+
+
+def test_one_pass_header_check_is_the_two_step_one(tmp_path: Path) -> None:
+    """header_locations gives exactly the locations of parse_header + _locations, and refuses every
+    bad header with the two-step path's message."""
+
+    def two_step(f: Path, raw: bytes, start: int, size: int) -> list[safetensors_dir.TensorLocation] | str:
+        try:
+            return safetensors_dir._locations(f, safetensors_dir.parse_header(f, raw), start, size)
+        except FormatError as exc:
+            return str(exc)
+
+    def one_pass(f: Path, raw: bytes, start: int, size: int) -> list[safetensors_dir.TensorLocation] | str:
+        try:
+            return safetensors_dir.header_locations(f, raw, start, size)
+        except FormatError as exc:
+            return str(exc)
+
+    f = tmp_path / "x.safetensors"
+    e = {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]}
+    headers = [
+        {"a": e, "b": {**e, "data_offsets": [12, 24]}},
+        {"b": {**e, "data_offsets": [12, 24]}, "a": e, "__metadata__": {"k": "v"}},  # offsets out of order
+        {"z": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "a": {**e, "dtype": "U8", "shape": [12]}},
+        {"s": {"dtype": "F64", "shape": [], "data_offsets": [0, 8]}},
+        {"a": e, "b": e},  # overlapping data
+        {"a": {**e, "shape": [2, True]}},
+        {"a": {**e, "shape": [2, -3]}},
+        {"a": {**e, "data_offsets": [0, 10]}},
+        {"a": {**e, "data_offsets": [12, 0]}},
+        {"a": {**e, "data_offsets": [0, 1 << 40]}},  # past the end of the file
+        {"a": {**e, "dtype": "Q4"}},
+        {"a": {**e, "dtype": 7}},
+        {"a": [1, 2]},
+        {"a": {**e, "data_offsets": [0.0, 12]}},
+        {"a": {**e, "data_offsets": [0]}},
+        {"__metadata__": {"k": 1}, "a": e},
+        {"a": {k: v for k, v in e.items() if k != "shape"}},
+        [1, 2],
+    ]
+    for header in headers:
+        raw = json.dumps(header).encode()
+        assert one_pass(f, raw, 100, 124) == two_step(f, raw, 100, 124), header
+    assert isinstance(one_pass(f, json.dumps(headers[1]).encode(), 100, 124), list)
+    assert "overlap" in str(one_pass(f, json.dumps(headers[4]).encode(), 100, 124))
+
+
+def test_sections_read_together_are_the_sections_read_one_by_one(tmp_path: Path) -> None:
+    """Delta.read_sections: the bytes of read_section for each, with one read per adjacent run; a bad
+    digest or a short block is refused naming the item, as read_section refuses it."""
+    from dataclasses import replace
+
+    base, new = _moe_pair(tmp_path, experts=8)
+    engine.diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
+    delta = Delta.open(tmp_path / "d")
+    sections = [it.data for it in delta.manifest.items]
+    reads = {"n": 0}
+    real = delta.source.read
+
+    def counting(block, start, end):  # type: ignore[no-untyped-def]
+        reads["n"] += 1
+        return real(block, start, end)
+
+    delta.source.read = counting  # type: ignore[method-assign]
+    together = delta.read_sections(sections, lambda i: f"item {i}")
+    assert reads["n"] < len(sections) / 5  # adjacent sections were read at once
+    assert together == [delta.read_section(s, "x") for s in sections]
+    bad = list(sections)
+    bad[5] = replace(bad[5], digest="0" * len(bad[5].digest))
+    with pytest.raises(IntegrityError, match=r"^item 5: .*corrupt \(digest mismatch\)"):
+        delta.read_sections(bad, lambda i: f"item {i}")
+    block = delta.manifest.blocks[sections[-1].block]
+    long = [*sections[:-1], replace(sections[-1], length=block.size - sections[-1].offset + 7)]
+    with pytest.raises(IntegrityError, match=rf"^item {len(sections) - 1}: .*truncated"):
+        delta.read_sections(long, lambda i: f"item {i}")
+    # preread hands each checked section to the next read_section of it, once
+    delta.preread(sections[:3], lambda i: f"item {i}")
+    before = reads["n"]
+    assert [delta.read_section(s, "x") for s in sections[:3]] == together[:3]
+    assert reads["n"] == before
+    delta.read_section(sections[0], "x")
+    assert reads["n"] == before + 1
+
+
+def test_digest_cache_entries_are_checked_whole_and_not_rewritten_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcr_cli.io import digest_cache
+
+    monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
+    good = {f"t{i}": f"{i:064x}" for i in range(50)}
+    digest_cache.save_entry("k", good)
+    assert digest_cache.load_entry("k") == good
+    for bad_value in ("A" * 64, "0" * 63, 7, None, "g" * 64):
+        digest_cache.save_entry("k", {**good, "t3": bad_value})  # type: ignore[dict-item]
+        assert digest_cache.load_entry("k") == {}, bad_value  # damaged: a miss, as before
+    (tmp_path / "cache" / "k").write_text(json.dumps([1, 2]))
+    assert digest_cache.load_entry("k") == {}
+
+    base, _ = _moe_pair(tmp_path, experts=2, shards=1)
+    with SafetensorsCheckpoint(base) as ckpt:
+        digests = ckpt.tensor_digests()  # hashed and saved
+    saves = {"n": 0}
+    real = digest_cache.save
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        saves["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(digest_cache, "save", counting)
+    with SafetensorsCheckpoint(base) as ckpt:
+        assert ckpt.cached_digests() == digests
+        ckpt.remember_digests(digests)
+        assert saves["n"] == 0  # the cache held exactly these
+        ckpt.remember_digests({**digests, "embed": "0" * 64})
+        assert saves["n"] == 1
+
+
+def test_neighbouring_small_tensors_scanned_as_one_span_give_the_same_delta(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's neighbours laid out alike on both sides are scanned as one span; the delta is byte for
+    byte the one of per-tensor scans, also where the sides are laid out differently (no span fits)."""
+    base, new = _moe_pair(tmp_path)
+    with SafetensorsCheckpoint(new) as ckpt:
+        tensors = {n: (t.dtype, t.shape, ckpt.view(n).copy()) for n, t in ckpt.tensors.items()}
+    shuffled = write_checkpoint(tmp_path / "v1-shuffled", dict(reversed(list(tensors.items()))), shards=2)
+    calls = {"n": 0}
+    real = engine.scan_changes
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "scan_changes", counting)  # the spans' scans
+    monkeypatch.setattr(codec, "scan_changes", counting)  # a tensor's own scan (diff_region)
+    spans = _diff(base, new, tmp_path / "spans", workers=2)
+    span_scans = calls["n"]
+    other_layout = _diff(base, shuffled, tmp_path / "other-layout", workers=2)
+    monkeypatch.setattr(engine, "SPAN_BYTES", 0)  # every tensor scanned alone
+    calls["n"] = 0
+    alone = _diff(base, new, tmp_path / "alone", workers=2)
+    assert spans == alone
+    assert span_scans < len(tensors) / 5 < calls["n"], (span_scans, calls["n"])  # it did scan spans
+    assert other_layout == alone
+    assert dcr_cli.apply(tmp_path / "spans", into=copy_checkpoint(base, tmp_path / "recv")).steps
+    assert read_raw(tmp_path / "recv") == read_raw(new)
+
+
+def test_make_item_is_the_dataclass_item() -> None:
+    import dataclasses
+
+    from dcr_cli.format.manifest import Item, Region, Section, make_item
+
+    data, repair = Section(0, 4, 20, "a" * 32), Section(1, 0, 9, "b" * 32)
+    for fields in (
+        ("t", Region.range(0, 8), "xor", 3, data, 5, "c" * 64, "d" * 64, repair, None, None),
+        ("u", Region.box((1, 0), (2, 3)), "replace", 6, data, 0, "e" * 64, "f" * 64, None, "cast", 2),
+    ):
+        made, built = make_item(*fields), Item(*fields)  # type: ignore[arg-type]
+        assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+        assert dataclasses.astuple(made) == dataclasses.astuple(built)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            made.count = 1  # type: ignore[misc]
+
+
+def test_a_reopened_checkpoint_rereads_a_changed_index(tmp_path: Path) -> None:
+    base, _ = _moe_pair(tmp_path, experts=2, shards=2)
+    index = base / safetensors_dir.INDEX_NAME
+    good = index.read_bytes()
+    with SafetensorsCheckpoint(base) as first:
+        names = set(first.tensors)
+    with SafetensorsCheckpoint(base) as again:  # the same bytes: the names kept from the first parse
+        assert set(again.tensors) == names
+    index.write_bytes(good.replace(b'"weight_map"', b'"weight_map": {}, "weight_map"'))
+    with pytest.raises(FormatError, match="duplicate key"):
+        SafetensorsCheckpoint(base)
+    index.write_bytes(good.replace(b"model-00002-of-00002", b"model-00003-of-00002"))
+    with pytest.raises(dcr_cli.errors.IncompatibleError, match="missing"):
+        SafetensorsCheckpoint(base)
+    index.write_bytes(good)
+    with SafetensorsCheckpoint(base) as restored:
+        assert set(restored.tensors) == names

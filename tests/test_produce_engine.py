@@ -22,7 +22,7 @@ from manifest_text import manifest_text
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.kernels import scan_changes
-from dcr_cli.io.pool import ordered_stream
+from dcr_cli.io.pool import Inline, ordered_stream
 from dcr_cli.produce import diff
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +117,60 @@ def test_stream_raises_the_first_error_in_task_order_and_stops() -> None:
             got.append(r)
     assert got == [0]
     assert len(started) < 10  # tasks after the failure were never started
+
+
+def test_inline_tasks_run_on_the_consumer_in_order_with_the_pool_around_them() -> None:
+    """An Inline task runs on the consuming thread when it is the oldest, between pool tasks, in
+    task order; its error is raised in its turn; its cost counts against the budget while it runs."""
+    consumer = threading.get_ident()
+    where: dict[str, int] = {}
+
+    def pooled(i: int):
+        def run():
+            where[f"p{i}"] = threading.get_ident()
+            time.sleep(0.01 * (i % 3))
+            yield f"p{i}"
+
+        return run
+
+    def inline(i: int):
+        def run():
+            where[f"i{i}"] = threading.get_ident()
+            yield f"i{i}a"
+            yield f"i{i}b"
+
+        return Inline(run)
+
+    tasks = [(1, pooled(0)), (1, inline(1)), (1, pooled(2)), (1, inline(3)), (1, inline(4)), (1, pooled(5))]
+    got = list(ordered_stream(tasks, 2, budget=100))
+    assert got == ["p0", "i1a", "i1b", "p2", "i3a", "i3b", "i4a", "i4b", "p5"]
+    assert {k for k, t in where.items() if t == consumer} == {"i1", "i3", "i4"}  # pool tasks ran on the pool
+
+    def bad():
+        raise ValueError("inline boom")
+        yield  # pragma: no cover
+
+    got = []
+    with pytest.raises(ValueError, match="inline boom"):
+        for r in ordered_stream([(1, pooled(0)), (1, Inline(bad)), (1, pooled(2))], 2, budget=100):
+            got.append(r)
+    assert got == ["p0"]
+
+    # An inline task as large as the budget: the pool task after it waits until it has finished.
+    order: list[str] = []
+
+    def big():
+        order.append("big start")
+        time.sleep(0.05)
+        order.append("big end")
+        yield "big"
+
+    def after():
+        order.append("after")
+        yield "after"
+
+    assert list(ordered_stream([(100, Inline(big)), (1, after)], 2, budget=100)) == ["big", "after"]
+    assert order == ["big start", "big end", "after"]
 
 
 # ----- the scan's tiles

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import FormatError, IncompatibleError
 from ..format.digest import digest_bytes
-from ..format.dtypes import DType, numel
+from ..format.dtypes import DType, numel, uint_of
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import TensorEntry
 from ..format.strict_json import load_json
@@ -32,7 +32,7 @@ MAX_HEADER_BYTES = 100 << 20
 MAX_INDEX_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorLocation:
     name: str
     dtype: str
@@ -120,10 +120,19 @@ def check_header_entry(path: Path, name: str, meta: object) -> None:
 
 def read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> file name) of a ``model.safetensors.index.json``, read strictly."""
+    return parse_index(index, read_index_bytes(index))
+
+
+def read_index_bytes(index: Path) -> bytes:
     with open(index, "rb") as f:
         raw = f.read(MAX_INDEX_BYTES + 1)
     if len(raw) > MAX_INDEX_BYTES:
         raise FormatError(f"{index}: over the {MAX_INDEX_BYTES} byte limit of a safetensors index")
+    return raw
+
+
+def parse_index(index: Path, raw: bytes) -> dict[str, str]:
+    """:func:`read_index` of index bytes already read."""
     obj = load_json(raw, str(index))
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
@@ -143,6 +152,7 @@ class SafetensorsCheckpoint:
         files = self._files()
         # Digest-cache keys as the files were before anything was hashed (see remember_digests).
         self._cache_keys: dict[Path, str] = {}
+        self._cached: dict[Path, dict[str, str]] = {}  # entries cached_digests found, under those keys
         for file in files:
             self._add_file(file)
             self._cache_keys[file] = digest_cache.key(file)
@@ -150,9 +160,16 @@ class SafetensorsCheckpoint:
     def _files(self) -> list[Path]:
         index = self.root / INDEX_NAME
         if index.exists():
-            weight_map = read_index(index)
+            raw = read_index_bytes(index)
+            known = _INDEXES.get(index)
+            if known is not None and known[0] == raw:  # the same bytes parse to the same names
+                names = known[1]
+            else:
+                names = sorted(set(parse_index(index, raw).values()))
+                _INDEXES.clear()  # one kept: an apply opens its checkpoint four times
+                _INDEXES[index] = (raw, names)
             # One check per file, not per tensor: an MoE index names the same few shards 100k times.
-            return sorted({safe_child(self.root, f) for f in set(weight_map.values())})
+            return sorted({safe_child(self.root, f) for f in names})
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:
             raise IncompatibleError(f"{self.root} holds no *.safetensors files")
@@ -167,7 +184,7 @@ class SafetensorsCheckpoint:
         size = file.stat().st_size
         locations = _PARSED.get(file, raw, size)
         if locations is None:
-            locations = _locations(file, parse_header(file, raw), data_start, size)
+            locations = header_locations(file, raw, data_start, size)
             _PARSED.put(file, raw, size, locations)
         tensors = self.tensors
         for loc in locations:
@@ -188,13 +205,12 @@ class SafetensorsCheckpoint:
     def view(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Flat unsigned-integer view of elements [start, stop) of a tensor (no copy)."""
         loc = self.tensors[name]
-        dt = lookup_dtype(loc.dtype)
+        uint = uint_of(loc.dtype)
         stop = loc.numel if stop is None else stop
         if stop <= start:
-            return np.empty(0, dtype=dt.uint)
-        return np.frombuffer(
-            self._map(loc.file), dtype=dt.uint, count=stop - start, offset=loc.start + start * dt.itemsize
-        )
+            return np.empty(0, dtype=uint)
+        offset = loc.start + start * uint.itemsize
+        return np.frombuffer(self._map(loc.file), dtype=uint, count=stop - start, offset=offset)
 
     def cached_digests(self) -> dict[str, str]:
         """Tensor digests remembered for these exact files (see digest_cache); may be partial."""
@@ -205,6 +221,8 @@ class SafetensorsCheckpoint:
         for file, names in by_file.items():
             cached = digest_cache.load(file) if digest_cache.key(file) == self._cache_keys[file] else {}
             out.update({n: cached[n] for n in names if n in cached})
+            if cached:
+                self._cached[file] = cached
         return out
 
     def remember_digests(self, digests: dict[str, str]) -> None:
@@ -213,7 +231,7 @@ class SafetensorsCheckpoint:
         for name, loc in self.tensors.items():
             by_file.setdefault(loc.file, {})[name] = digests.get(name, "")
         for file, table in by_file.items():
-            if all(table.values()):
+            if all(table.values()) and table != self._cached.get(file):  # the cache holds these already
                 digest_cache.save(file, table, self._cache_keys[file])
 
     def tensor_digests(self) -> dict[str, str]:
@@ -229,7 +247,8 @@ class SafetensorsCheckpoint:
         return {n: (t.dtype, t.shape) for n, t in self.tensors.items()}
 
     def tensor_table(self, digests: dict[str, str]) -> dict[str, TensorEntry]:
-        return {n: TensorEntry(t.dtype, t.shape, digests[n]) for n, t in sorted(self.tensors.items())}
+        tensors = self.tensors
+        return {n: TensorEntry(tensors[n].dtype, tensors[n].shape, digests[n]) for n in sorted(tensors)}
 
     def close(self) -> None:
         for m in self._maps.values():
@@ -279,6 +298,66 @@ def _locations(file: Path, header: dict, data_start: int, size: int) -> list[Ten
     return out
 
 
+def header_locations(file: Path, raw: bytes, data_start: int, size: int) -> list[TensorLocation]:
+    """``_locations(file, parse_header(file, raw), ...)``: the same locations, every check of both, in one pass.
+
+    A 100k-tensor header is checked entry by entry twice over there (types, then offsets against the
+    file); here each entry is checked once with exact type tests. Anything the fast pass does not
+    accept is handed to the two-step path, so a bad header is refused with exactly its message.
+    """
+    header = load_json(raw, f"{file}: safetensors header")
+    out = _fast_locations(file, header, data_start, size) if isinstance(header, dict) else None
+    if out is None:
+        return _locations(file, parse_header(file, raw), data_start, size)
+    return out
+
+
+def _fast_locations(file: Path, header: dict, data_start: int, size: int) -> list[TensorLocation] | None:
+    """The locations of a header every entry of which passes all checks, in header order; None otherwise."""
+    out: list[TensorLocation] = []
+    append = out.append
+    dtypes: dict[str, DType] = {}
+    previous_end = 0  # entries in offset order need no sort for the overlap check (the usual layout)
+    ordered = True
+    for name, meta in header.items():
+        if name == "__metadata__":
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                return None
+            continue
+        if type(meta) is not dict:
+            return None
+        dt_name, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+        if type(dt_name) is not str or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+            return None
+        dt = dtypes.get(dt_name)
+        if dt is None:
+            try:
+                dt = dtypes[dt_name] = lookup_dtype(dt_name)
+            except FormatError:
+                return None
+        count = 1
+        for s in shape:
+            if type(s) is not int or s < 0:
+                return None
+            count *= s
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int or begin < 0 or end < begin:
+            return None
+        nbytes = end - begin
+        if nbytes != count * dt.itemsize or data_start + end > size:
+            return None
+        if nbytes:
+            if begin < previous_end:
+                ordered = False
+            previous_end = end
+        append(TensorLocation(name, dt.name, tuple(shape), file, data_start + begin, nbytes))
+    if not ordered:
+        spans = sorted((loc.start, loc.start + loc.nbytes) for loc in out if loc.nbytes)
+        if any(b < a_end for (_, a_end), (b, _) in itertools.pairwise(spans)):
+            return None  # overlapping data: the two-step path names the two tensors
+    return out
+
+
 class _ParsedHeaders:
     """The tensors of headers parsed before in this process, for files opened again (an apply opens its
     checkpoint four times; a 100k-tensor header takes ~0.1 s to parse and check). A hit needs the same
@@ -314,6 +393,8 @@ class _ParsedHeaders:
 
 
 _PARSED = _ParsedHeaders(max_bytes=256 << 20)
+# The file names of the index read last, by its path: (its bytes, the names); a hit needs the same bytes.
+_INDEXES: dict[Path, tuple[bytes, list[str]]] = {}
 
 
 def layout_mismatch(a: dict[str, tuple[str, tuple[int, ...]]], b: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -77,11 +79,32 @@ def fail(exc: BaseException) -> NoReturn:
     sys.exit(code)
 
 
+_exit_freeze_registered = False
+
+
+def freeze_heap_at_exit() -> None:
+    """At interpreter exit, move every live object to the collector's permanent generation first.
+
+    The interpreter's shutdown runs full cyclic collections over whatever is still alive; after a
+    command over an MoE checkpoint that is every manifest item and table entry of 100k tensors, and
+    the passes find nothing (measured: ~0.05 ms per tensor of a ``dcr diff``). ``gc.freeze`` is O(1)
+    and only exempts the objects alive at exit from those passes: the atexit handlers registered
+    before this one still run (after it), streams are still flushed, memory is returned with the
+    process, and ``__del__`` of a cycle left over at exit is not guaranteed by Python anyway. In a
+    process that runs commands in-process (tests), it only changes that process's own exit.
+    """
+    global _exit_freeze_registered
+    if not _exit_freeze_registered:
+        _exit_freeze_registered = True
+        atexit.register(gc.freeze)
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Route every failure of a command through :func:`fail` (one line on stderr, one exit code)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        freeze_heap_at_exit()
         try:
             return fn(*args, **kwargs)
         except (SystemExit, click.exceptions.Exit):

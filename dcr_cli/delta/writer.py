@@ -26,6 +26,7 @@ from ..format.manifest import (
     BLOCKS_DIR,
     FORMAT_MAJOR,
     MANIFEST_NAME,
+    MANIFEST_ZSTD_LEVEL,
     TARGET_BLOCK_BYTES,
     BlockEntry,
     BlockRole,
@@ -34,6 +35,7 @@ from ..format.manifest import (
     Section,
     TensorEntry,
     VersionRef,
+    make_item,
     section_digest,
 )
 from ..io.files import fsync_dir, write_atomic
@@ -83,6 +85,10 @@ class _StagedBlock:
             self.fd = -1
 
 
+# Blocks handed to ``on_block`` (uploaded while the delta is still being built) are cut at this size.
+STREAMED_BLOCK_BYTES = 8 << 20
+
+
 class _Written:
     """A staged block's bytes where only their length is needed (no on_block to hand them to)."""
 
@@ -128,7 +134,7 @@ class _BlockPacker:
         data = bytes(self.buffer) if self.buffer is not None else _Written(self.size)
         index = self.writer._store_block(data, self.role, staged)  # type: ignore[arg-type]  # _Written: len() only
         for item_index, field, offset, length, digest in self.pending:
-            self.writer._sections[item_index][field] = Section(index, offset, length, digest)
+            self.writer._sections[field][item_index] = Section(index, offset, length, digest)
         if self.buffer is not None:
             self.buffer = bytearray()
         self.size = 0
@@ -151,21 +157,27 @@ class DeltaWriter:
         self,
         out: str | os.PathLike[str],
         *,
-        block_bytes: int = TARGET_BLOCK_BYTES,
+        block_bytes: int | None = None,
         on_block: Callable[[str, bytes], None] | None = None,
         major: int = FORMAT_MAJOR,
+        manifest_level: int = MANIFEST_ZSTD_LEVEL,
     ) -> None:
-        """``on_block(id, data)`` is called with every block as soon as it is on disk (e.g. to start its
+        """``block_bytes``: the size at which blocks are cut (default: 64 MiB, 8 MiB with ``on_block``).
+        ``on_block(id, data)`` is called with every block as soon as it is on disk (e.g. to start its
         upload while the rest of the delta is still being computed); only with the blocks of the roles
         in ``on_block.roles`` if it has that attribute. ``major`` is the delta format major
-        written (it decides the section digests, so it is fixed before the first section)."""
+        written (it decides the section digests, so it is fixed before the first section);
+        ``manifest_level`` the zstd level of a 2.x manifest's frame (a writer's choice)."""
         self.out = Path(out)
         self.major = major
+        self.manifest_level = manifest_level
         self.on_block = on_block
         if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
             raise ConflictError(f"{self.out} already exists; choose a new output path or remove it")
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.block_bytes = block_bytes
+        # Blocks that are uploaded as they are written (dcr diff --push) are smaller: a 3% delta of a
+        # few GiB is one or two 64 MiB blocks, which would go up only when the diff ends.
+        self.block_bytes = block_bytes or (STREAMED_BLOCK_BYTES if on_block is not None else TARGET_BLOCK_BYTES)
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
         umask = os.umask(0)
         os.umask(umask)
@@ -175,7 +187,7 @@ class DeltaWriter:
         # An added item's fields (tensor, region, op, count, positions_length, pre, post, residual,
         # changed): its section bytes live in the packers' blocks once added.
         self._items: list[tuple[Any, ...]] = []
-        self._sections: list[dict[str, Section]] = []
+        self._sections: dict[str, list[Section | None]] = {"data": [], "repair": []}  # by field, by item index
         self._blocks: list[BlockEntry] = []
         self._packers = {"data": _BlockPacker(self, "data"), "repair": _BlockPacker(self, "repair")}
 
@@ -200,7 +212,8 @@ class DeltaWriter:
     def add(self, item: EncodedItem) -> None:
         with self._lock:
             index = len(self._items)
-            self._sections.append({})
+            self._sections["data"].append(None)
+            self._sections["repair"].append(None)
             self._packers["data"].add(index, "data", item.data)
             if item.repair is not None:
                 self._packers["repair"].add(index, "repair", item.repair)
@@ -216,21 +229,9 @@ class DeltaWriter:
         for packer in self._packers.values():
             packer.flush()
         return [
-            Item(
-                tensor=tensor,
-                region=region,
-                op=op,
-                count=count,
-                data=s["data"],
-                positions_length=positions_length,
-                pre=pre,
-                post=post,
-                repair=s.get("repair"),
-                residual=residual,
-                changed=changed,
-            )
-            for (tensor, region, op, count, positions_length, pre, post, residual, changed), s in zip(
-                self._items, self._sections, strict=True
+            make_item(tensor, region, op, count, data, positions_length, pre, post, repair, residual, changed)  # type: ignore[arg-type]  # every item has its data section
+            for (tensor, region, op, count, positions_length, pre, post, residual, changed), data, repair in zip(
+                self._items, self._sections["data"], self._sections["repair"], strict=True
             )
         ]
 
@@ -269,7 +270,7 @@ class DeltaWriter:
                 extra=dict(extra or {}),
                 major=self.major,
             )
-            manifest.raw = manifest.to_json_bytes()
+            manifest.raw = manifest.to_json_bytes(self.manifest_level)
             self.commit(MANIFEST_NAME, manifest.raw)
             return manifest
 

@@ -116,7 +116,18 @@ def _planes(values: np.ndarray) -> bytes | memoryview:
 
 def digest_small(values: np.ndarray) -> str:
     """``digest_bytes`` of a small array (one thread, no wrappers): the same digest."""
-    return blake3.blake3(np.ascontiguousarray(values).view(np.uint8).data).hexdigest()
+    return blake3.blake3(small_bytes(values)).hexdigest()
+
+
+# Up to this many bytes an array's bytes are copied out (tobytes) rather than viewed: half the cost.
+_COPY_BYTES = 16 << 10
+
+
+def small_bytes(values: np.ndarray) -> bytes | memoryview:
+    """The C-order bytes of an array, as a copy when it is small (cheaper than a contiguous view)."""
+    if values.nbytes <= _COPY_BYTES:
+        return values.tobytes()
+    return np.ascontiguousarray(values).view(np.uint8).data
 
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

@@ -140,3 +140,13 @@ def torch_int(itemsize: int) -> torch.dtype:
 def numpy_int(itemsize: int) -> np.dtype:
     """numpy's signed little-endian integer dtype of ``itemsize`` bytes (what torch's signed views map to)."""
     return np.dtype(np.uint8) if itemsize == 1 else np.dtype(f"<i{itemsize}")
+
+
+# ----- the unsigned view dtype by name (hot loops: DType.uint builds a numpy dtype on every call)
+_UINTS = {name: np.dtype(f"<u{d.itemsize}") for name, d in _DTYPES.items()}
+
+
+def uint_of(name: str) -> np.dtype:
+    """``dtype(name).uint``, from a table: the unsigned little-endian dtype of a stored dtype's width."""
+    uint = _UINTS.get(name)
+    return uint if uint is not None else dtype(name).uint  # unknown: dtype() raises its FormatError

@@ -64,6 +64,7 @@ class _Slot(Generic[T]):
         self.results: deque[tuple[T, int]] = deque()
         self.done = False
         self.error: BaseException | None = None
+        self.inline: Inline[Iterable[T]] | None = None  # run by the consumer when it is the oldest
 
 
 class _Cancelled(Exception):
@@ -86,6 +87,10 @@ def ordered_stream(
     task larger than the budget runs alone); a task that is not the oldest in flight waits before it
     keeps a result that would exceed the budget, and the oldest never waits, so the pool always
     progresses. The results of the oldest task are yielded as soon as they are produced.
+
+    A task whose ``fn`` is an :class:`Inline` runs on the consuming thread when it is the oldest (its
+    results are yielded as it produces them, with no hand-off between threads); its cost is held from
+    its admission to its end, like a pool task's, while the pool runs the tasks admitted after it.
     """
     cond = threading.Condition()
     slots: deque[_Slot[T]] = deque()  # in flight, in task order
@@ -126,12 +131,26 @@ def ordered_stream(
                     slot: _Slot[T] = _Slot(cost)
                     slots.append(slot)
                     state["held"] += cost
-                pool.submit(run, slot, fn)
+                if isinstance(fn, Inline):
+                    slot.inline = fn
+                else:
+                    pool.submit(run, slot, fn)
                 pending = next(source, None)
             with cond:
                 if not slots:
                     return
                 head = slots[0]
+            if head.inline is not None:  # the oldest task, run here: results go straight to the consumer
+                inline, head.inline = head.inline, None
+                try:
+                    yield from inline()
+                finally:
+                    with cond:
+                        slots.popleft()
+                        state["held"] -= head.cost
+                        cond.notify_all()
+                continue
+            with cond:
                 while not head.results and not head.done:
                     cond.wait()
                 if head.results:

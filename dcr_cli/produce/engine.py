@@ -20,18 +20,18 @@ import blake3
 import numpy as np
 
 from ..checkpoints import detect_format, open_source
-from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
+from ..checkpoints.safetensors_dir import SafetensorsCheckpoint, TensorLocation
 from ..checkpoints.shards import BAND_BYTES, RESIDUAL_BAND_BYTES, Chunk, ShardCheckpoint, release_pages
 from ..delta.summary import DiffSummary, summarize
 from ..delta.writer import DeltaWriter
 from ..errors import IncompatibleError
 from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, digest_small, encode_changes
 from ..format.digest import StreamingDigest, digest_bytes
-from ..format.dtypes import numel
+from ..format.dtypes import numel, uint_of
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
 from ..io.gc_pause import fewer_collections
-from ..io.pool import default_workers, ordered_stream
+from ..io.pool import Inline, default_workers, ordered_stream
 from .plan import (
     CHUNK_BYTES,
     Band,
@@ -90,6 +90,15 @@ class HfSide:
     def table(self, digests: dict[str, str]) -> dict[str, TensorEntry]:
         return self.ckpt.tensor_table(digests)
 
+    def location(self, name: str) -> TensorLocation:
+        return self.ckpt.tensors[name]
+
+    def span(self, name: str, start: int, count: int) -> np.ndarray:
+        """``count`` elements of ``name``'s unsigned dtype from byte ``start`` of its file (several
+        neighbouring tensors at once; see the engine's span_run)."""
+        loc = self.ckpt.tensors[name]
+        return np.frombuffer(self.ckpt._map(loc.file), dtype=uint_of(loc.dtype), count=count, offset=start)
+
     def release_tensor(self, name: str) -> None:
         """Done with this tensor: unmap its pages from this process (they stay in the page cache).
 
@@ -104,19 +113,25 @@ class HfSide:
     def release_tensors(self, names: Sequence[str]) -> None:
         """``release_tensor`` of a batch of small tensors: one unmap per file over the span they cover
         where that span is about their own size (tensors of a batch are usually neighbours in the file)."""
-        spans: dict[Path, list[int]] = {}
-        total: dict[Path, int] = {}
+        spans: dict[Path, list[int]] = {}  # file -> [lo, hi, bytes of the batch's tensors in it]
+        tensors = self.ckpt.tensors
+        file: Path | None = None
+        span: list[int] = []
         for name in names:
-            loc = self.ckpt.tensors[name]
+            loc = tensors[name]
             if not loc.nbytes:
                 continue
-            span = spans.get(loc.file)
-            if span is None:
-                spans[loc.file] = [loc.start, loc.start + loc.nbytes]
-            else:
-                span[0], span[1] = min(span[0], loc.start), max(span[1], loc.start + loc.nbytes)
-            total[loc.file] = total.get(loc.file, 0) + loc.nbytes
-        for file, (lo, hi) in spans.items():
+            if loc.file is not file:  # neighbours share their file's Path object: no hashing per tensor
+                file = loc.file
+                span = spans.setdefault(file, [loc.start, loc.start + loc.nbytes, 0])
+            end = loc.start + loc.nbytes
+            if loc.start < span[0]:
+                span[0] = loc.start
+            if end > span[1]:
+                span[1] = end
+            span[2] += loc.nbytes
+        total = {f: s[2] for f, s in spans.items()}
+        for file, (lo, hi, _) in spans.items():
             if hi - lo <= 2 * total[file] + (64 << 10):
                 release_pages(self.ckpt._map(file), lo, hi - lo)
             else:
@@ -153,10 +168,16 @@ TILE_BYTES = 256 << 10
 # Tensors up to SMALL_TENSOR_BYTES are diffed in batches of consecutive ones, one pool task per
 # batch of about BATCH_BYTES (or BATCH_TENSORS): an MoE checkpoint has 100k tensors of a few KiB,
 # and a task per tensor costs more in scheduling and thread hand-offs than its scan. A batch emits
-# exactly the items its tensors would alone, in the same order (the delta is byte-identical).
+# exactly the items its tensors would alone, in the same order (the delta is byte-identical). A batch
+# holds the GIL almost throughout (tiny scans, frames and digests): it runs on the consuming thread
+# (pool.Inline), so its items reach the writer without a thread hand-off each.
 SMALL_TENSOR_BYTES = 256 << 10
 BATCH_BYTES = 4 << 20
 BATCH_TENSORS = 512
+# Neighbouring small tensors of a batch are scanned as one span of at most SPAN_BYTES (their changes
+# are then cut at the tensors' bounds: the same items), where at most SPAN_GAP_BYTES lie between two.
+SPAN_BYTES = 1 << 20
+SPAN_GAP_BYTES = 4 << 10
 # A tensor's hashing is pipelined on a helper thread only when it is at least this large.
 PIPELINE_MIN_BYTES = 4 << 20
 # Bytes of anonymous memory the tasks in flight may hold, per worker (ordered_stream's budget);
@@ -174,8 +195,8 @@ def _item_bytes(item: EncodedItem) -> int:
 
 
 def _batch_cost(nbytes: int) -> int:
-    """A batch of small tensors scans one at a time: the largest possible one's working memory."""
-    return _scan_cost(min(nbytes, SMALL_TENSOR_BYTES))
+    """A batch of small tensors scans a span of neighbours (or one tensor) at a time: the largest's working memory."""
+    return _scan_cost(min(nbytes, max(SMALL_TENSOR_BYTES, SPAN_BYTES)))
 
 
 def _scan_cost(nbytes: int) -> int:
@@ -365,10 +386,94 @@ def execute(
         if item is not None:
             yield item
 
+    def span_run(
+        run: list[tuple[str, RangeUnit]], b_lo: int, n_lo: int, count: int
+    ) -> Iterator[tuple[str, EncodedItem | None]]:
+        """Neighbouring small tensors laid out alike in both files: one scan over their span, its changes
+        cut at the tensors' bounds; each tensor's item is exactly the one its own scan gives."""
+        first = run[0][0]
+        b_span, n_span = base.span(first, b_lo, count), new.span(first, n_lo, count)  # type: ignore[attr-defined]
+        positions, masks, news = scan_changes(b_span, n_span)
+        itemsize = b_span.dtype.itemsize
+        starts = [(base.location(name).start - b_lo) // itemsize for name, _ in run]  # type: ignore[attr-defined]
+        ends = [start + u.stop for start, (_, u) in zip(starts, run, strict=True)]
+        cuts = np.searchsorted(positions, starts + ends).tolist()
+        k = len(run)
+        for i, (name, u) in enumerate(run):
+            e0, e1, i0, i1 = starts[i], ends[i], cuts[i], cuts[k + i]
+            b, n = b_span[e0:e1], n_span[e0:e1]
+            item = encode_changes(
+                name, Region.range(0, u.stop), positions[i0:i1] - e0, masks[i0:i1], news[i0:i1], u.stop,
+                _const(b, n), op=u.op, level=level,
+            )  # fmt: skip
+            if name not in b_digests:
+                b_digests[name] = digest_small(b)
+            if name not in n_digests:
+                n_digests[name] = digest_small(n)
+            if progress:
+                progress(u.stop * u.itemsize)
+            yield name, item
+
+    Run = list[tuple[str, RangeUnit]]
+
+    def spans_of(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[tuple[Run, int, int, int]]:
+        """The batch, in base file order, cut into runs for ``span_run``: whole-tensor ranges of one width
+        that follow each other in one file of each side, at the same distances on both sides, with
+        little else between them. (run, base start, new start, elements); a run of one is scanned alone."""
+        run: list[tuple[str, RangeUnit]] = []
+        b_lo = n_lo = b_end = 0
+        file_b = file_n = None
+        width = 0
+        located = [(base.location(name), name, ranges) for name, ranges in batch]  # type: ignore[attr-defined]
+        located.sort(key=lambda x: (str(x[0].file), x[0].start))
+        for lb, name, ranges in located:
+            (u,) = ranges
+            ln = new.location(name)  # type: ignore[attr-defined]
+            nbytes = u.stop * u.itemsize
+            whole = u.start == 0 and lb.nbytes == nbytes == ln.nbytes and nbytes > 0
+            fits = (
+                run
+                and whole
+                and u.itemsize == width
+                and lb.file is file_b
+                and ln.file is file_n
+                and lb.start >= b_end
+                and lb.start - b_lo == ln.start - n_lo
+                and (lb.start - b_lo) % width == 0
+                and lb.start - b_end <= SPAN_GAP_BYTES
+                and lb.start + nbytes - b_lo <= SPAN_BYTES
+            )
+            if not fits:
+                if run:
+                    yield run, b_lo, n_lo, (b_end - b_lo) // width
+                run = []
+                if not whole:
+                    yield [(name, u)], -1, -1, 0  # not a whole tensor as one range: alone
+                    continue
+                b_lo, n_lo, width, file_b, file_n = lb.start, ln.start, u.itemsize, lb.file, ln.file
+            run.append((name, u))
+            b_end = lb.start + nbytes  # (the new side's run ends at the same distance from its start)
+        if run:
+            yield run, b_lo, n_lo, (b_end - b_lo) // width
+
     def batch_task(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[EncodedItem]:
         """Consecutive small tensors, one after the other in one task (see SMALL_TENSOR_BYTES)."""
-        for name, ranges in batch:
-            yield from small_tensor(name, ranges)
+        if hasattr(base, "span") and hasattr(new, "span"):
+            # Scanned in file order, emitted in plan order (the items of a batch are a few KiB each).
+            found: dict[str, EncodedItem | None] = {}
+            for run, b_lo, n_lo, count in spans_of(batch):
+                if len(run) > 1:
+                    found.update(span_run(run, b_lo, n_lo, count))
+                else:
+                    name, u = run[0]
+                    found[name] = next(iter(small_tensor(name, [u])), None)
+            for name, _ in batch:
+                item = found[name]
+                if item is not None:
+                    yield item
+        else:
+            for name, ranges in batch:
+                yield from small_tensor(name, ranges)
         release = getattr(base, "release_tensors", None)
         if release is not None:
             names = [name for name, _ in batch]
@@ -491,19 +596,19 @@ def execute(
                     batch.append((u.name, ranges))
                     batch_bytes += nbytes
                     if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
-                        yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                        yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
                         batch, batch_bytes = [], 0
                     i = j
                     continue
                 if batch:
-                    yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                    yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
                     batch, batch_bytes = [], 0
                 if workers == 1 or nbytes <= share:
                     yield _scan_cost(CHUNK_BYTES), _bind2(tensor_task, u.name, ranges)
                     i = j
                     continue
             if batch:
-                yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+                yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
                 batch, batch_bytes = [], 0
             if isinstance(u, RangeUnit):
                 yield _scan_cost((u.stop - u.start) * u.itemsize), _bind(range_task, u)
@@ -529,7 +634,7 @@ def execute(
                 raise TypeError(f"unknown plan unit {u!r}")
             i += 1
         if batch:
-            yield _batch_cost(batch_bytes), _bind(batch_task, batch)
+            yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
 
     if plan.rank is not None:
         from ..delta.parts import part_dir
@@ -650,8 +755,9 @@ def diff(
                 raise IncompatibleError(
                     "--rank/--world-size split training shards; an HF directory is diffed by one process"
                 )
-            check_layouts(b_src.layout(), n_src.layout())
-            plan = plan_tensors(n_src.layout(), overwrite)
+            n_layout = n_src.layout()
+            check_layouts(b_src.layout(), n_layout)
+            plan = plan_tensors(n_layout, overwrite)
             b_side: Any = HfSide(b_src)
             n_side: Any = HfSide(n_src)
         else:

@@ -140,13 +140,23 @@ def plan_tensors(layout: Layout, overwrite: Sequence[str] = ()) -> Plan:
     """The identity plan (HF directories, plain tensors): per tensor, its digest and CHUNK_BYTES ranges."""
     op_of = op_selector(overwrite)
     units: list[Unit] = []
-    for name in sorted(layout):
+    append = units.append
+    itemsizes: dict[str, int] = {}  # an MoE layout has 100k tensors of a few dtypes
+    names = sorted(layout)
+    for name in names:
         dt, shape = layout[name]
-        itemsize = lookup_dtype(dt).itemsize
-        units.append(DigestUnit(name))
-        op = op_of(name)
-        units.extend(RangeUnit(name, s, e, op, itemsize) for s, e in chunk_ranges(numel(shape), itemsize))
-    return Plan(units, layout, sorted(layout))
+        itemsize = itemsizes.get(dt)
+        if itemsize is None:
+            itemsize = itemsizes[dt] = lookup_dtype(dt).itemsize
+        append(DigestUnit(name))
+        op: Op = op_of(name) if overwrite else "xor"
+        size = numel(shape)
+        if size * itemsize <= CHUNK_BYTES:  # one range, as chunk_ranges gives it (none when empty)
+            if size:
+                append(RangeUnit(name, 0, size, op, itemsize))
+        else:
+            units.extend(RangeUnit(name, s, e, op, itemsize) for s, e in chunk_ranges(size, itemsize))
+    return Plan(units, layout, names)
 
 
 def check_compatible(b: ShardCheckpoint, n: ShardCheckpoint) -> None:

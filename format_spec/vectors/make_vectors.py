@@ -107,7 +107,9 @@ def make_basic(name: str = "basic", major: int = 1) -> Path:
     items.append(diff_region("u8.box", Region.box((1, 0, 0), (1, 3, 4)), b3[1:2].reshape(-1), t3[1:2].reshape(-1)))
     items.append(diff_region("f16.zeros", Region.range(0, 2), base["f16.zeros"][2], target["f16.zeros"][2]))
     items.append(diff_region("bool.mask", Region.range(0, 4), base["bool.mask"][2], target["bool.mask"][2]))
-    writer = DeltaWriter(out / "delta", major=major)
+    # Level 3: the level these vectors' manifest frames were written with (any level is valid, delta-v2
+    # §3.1), so that regenerating them gives the same bytes whatever dcr's writer defaults to.
+    writer = DeltaWriter(out / "delta", major=major, manifest_level=3)
     for item in items:
         assert item is not None
         writer.add(item)

@@ -164,7 +164,7 @@ def check_layout(delta: Delta, ckpt: SafetensorsCheckpoint, root: Path) -> None:
 # --------------------------------------------------------------------------- items
 
 
-@dataclass
+@dataclass(slots=True)
 class Prepared:
     """An item after the first pass: its outcome, and (within the budget) what to write."""
 
@@ -200,8 +200,10 @@ def prepare_item(delta: Delta, item: Item, files: InPlaceFiles, resuming: bool) 
     index = receiver_plan.canonical_index(item.region, decoded.positions, loc.shape)
     runs: list[Run] = []
     if isinstance(index, np.ndarray):
-        local = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
-        segment = local // receiver_plan.contiguous_run(item.region, loc.shape)
+        segment = None  # a flat range is one contiguous stretch of the tensor
+        if item.region.is_box:
+            local = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
+            segment = local // receiver_plan.contiguous_run(item.region, loc.shape)
         runs = runs_of(index, segment, decoded.values.dtype.itemsize)
     current = files.gather(item.tensor, index, runs)
     current_digest = digest_small(current) if current.nbytes <= SMALL_DIGEST_BYTES else digest_bytes(current)
@@ -213,6 +215,12 @@ def prepare_item(delta: Delta, item: Item, files: InPlaceFiles, resuming: bool) 
         return Prepared(kind, item.count)
     new = receiver_plan.new_values(item, kind, current, decoded.values, lambda: _repair(delta, item))
     return Prepared(kind, item.count, index, runs, new)
+
+
+def prepare_items(delta: Delta, items: Sequence[Item], files: InPlaceFiles, resuming: bool) -> list[Prepared]:
+    """``prepare_item`` of consecutive items, their data sections read together first (``Delta.preread``)."""
+    delta.preread([it.data for it in items], lambda i: f"{items[i].tensor} {items[i].region.to_json()}")
+    return [prepare_item(delta, item, files, resuming) for item in items]
 
 
 class _Cancelled(Exception):
@@ -251,14 +259,15 @@ def first_pass(delta: Delta, files: InPlaceFiles, resuming: bool, workers: int) 
     items = delta.manifest.items
 
     def task(lo: int, hi: int, small: bool) -> Callable[[], list[Prepared]]:
-        return _task(lambda: [prepare_item(delta, items[i], files, resuming) for i in range(lo, hi)], small)
+        return _task(lambda: prepare_items(delta, items[lo:hi], files, resuming), small)
 
     out: list[Prepared] = []
     kept = 0
     for batch in ordered_parallel((task(*b) for b in item_batches(items)), workers):
         for prepared in batch:
-            if kept + prepared.nbytes <= PREPARED_BYTES:
-                kept += prepared.nbytes
+            nbytes = prepared.nbytes
+            if kept + nbytes <= PREPARED_BYTES:
+                kept += nbytes
                 out.append(prepared)
             else:
                 out.append(prepared.drop())

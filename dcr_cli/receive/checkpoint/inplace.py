@@ -26,6 +26,7 @@ import numpy as np
 
 from ...checkpoints.safetensors_dir import TensorLocation
 from ...errors import IntegrityError
+from ...format.codec import small_bytes
 from ...format.digest import StreamingDigest
 from ...format.dtypes import dtype as lookup_dtype
 from ...format.manifest import TensorEntry
@@ -54,10 +55,10 @@ SMALL_DIGEST_BYTES = 1 << 20
 
 def digest_small(values: np.ndarray) -> str:
     """``digest_bytes`` of an array of at most SMALL_DIGEST_BYTES (the same digest, fewer calls)."""
-    return blake3.blake3(np.ascontiguousarray(values).view(np.uint8).data).hexdigest()
+    return blake3.blake3(small_bytes(values)).hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Run:
     first: int  # canonical flat index of the first element
     last: int  # ... and of the last (inclusive)
@@ -69,17 +70,20 @@ class Run:
         return self.hi - self.lo == self.last - self.first + 1
 
 
-def runs_of(index: np.ndarray, segment: np.ndarray, itemsize: int) -> list[Run]:
-    """Split sorted canonical ``index`` into runs; ``segment`` ids mark contiguous stretches of the region."""
+def runs_of(index: np.ndarray, segment: np.ndarray | None, itemsize: int) -> list[Run]:
+    """Split sorted canonical ``index`` into runs; ``segment`` ids mark contiguous stretches of the region
+    (None: the region is one stretch, as a flat range is)."""
     if index.size == 0:
         return []
     gap, cap = max(1, GAP_BYTES // itemsize), max(1, RUN_BYTES // itemsize)
     first, last = int(index[0]), int(index[-1])
-    if last - first <= gap and first // cap == last // cap and segment[0] == segment[-1]:
+    if last - first <= gap and first // cap == last // cap and (segment is None or segment[0] == segment[-1]):
         # No cut anywhere (every step is within the span; segments and caps only grow): one run,
         # without the three passes below (the common case of a small item).
         return [Run(first, last, 0, int(index.size))]
-    cut = (np.diff(index) > gap) | (np.diff(segment) != 0) | (np.diff(index // cap) != 0)
+    cut = (np.diff(index) > gap) | (np.diff(index // cap) != 0)
+    if segment is not None:
+        cut |= np.diff(segment) != 0
     bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), int(index.size)]
     return [Run(int(index[lo]), int(index[hi - 1]), lo, hi) for lo, hi in itertools.pairwise(bounds)]
 
@@ -152,6 +156,10 @@ class InPlaceFiles:
         """Current values at ``index`` (sorted canonical indices, or a contiguous slice)."""
         if isinstance(index, slice):
             return self.read(name, index.start, index.stop)
+        if len(runs) == 1:  # a small item: one read, one copy out of the scratch buffer
+            (run,) = runs
+            span = self.read(name, run.first, run.last + 1, scratch=True)
+            return span.copy() if run.dense else span[index - run.first]
         out = np.empty(index.size, dtype=self._uint(name))
         for run in runs:
             span = self.read(name, run.first, run.last + 1, scratch=True)
