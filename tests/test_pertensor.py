@@ -614,3 +614,17 @@ def test_a_reopened_checkpoint_rereads_a_changed_index(tmp_path: Path) -> None:
     index.write_bytes(good)
     with SafetensorsCheckpoint(base) as restored:
         assert set(restored.tensors) == names
+
+
+def test_a_damaged_recorded_shape_neither_crashes_the_fingerprint_nor_is_trusted(tmp_path: Path) -> None:
+    # Found by test_fuzz_store_state: a nested list where a dimension belongs (an unhashable shape).
+
+    from dcr_cli.format.manifest import TensorEntry, fingerprint
+    from dcr_cli.receive.checkpoint.state import read_recorded_table, state_dir
+
+    odd = {"a": TensorEntry("BF16", ([1], 2), "0" * 64)}  # type: ignore[arg-type]
+    assert len(fingerprint(odd)) == 64
+    (tmp_path / ".dcr").mkdir()
+    table = {"tensors": {"a": {"dtype": "BF16", "shape": [[1], 2], "digest": "0" * 64}}}
+    (state_dir(tmp_path) / "table.json").write_text(json.dumps(table))
+    assert read_recorded_table(tmp_path, fingerprint(odd)) is None

@@ -374,7 +374,10 @@ def fingerprint(tensors: dict[str, TensorEntry]) -> str:
     lines = []
     for name in sorted(tensors):
         t = tensors[name]
-        shape = shapes.get(t.shape)
+        try:
+            shape = shapes.get(t.shape)
+        except TypeError:  # a shape that is no tuple of ints (a damaged record): spelled as before, not cached
+            shape = ",".join(str(s) for s in t.shape)
         if shape is None:
             shape = shapes[t.shape] = ",".join(str(s) for s in t.shape)
         lines.append(f"{name}\t{t.dtype}\t{shape}\t{t.digest}\n")

@@ -145,10 +145,16 @@ def read_recorded_table(root: str | os.PathLike[str], expected_fingerprint: str)
         table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in obj["tensors"].items()}
     except (FormatError, ValueError, TypeError, KeyError, AttributeError):
         return None
+    if not all(_is_shape(t.shape) for t in table.values()):
+        return None  # damaged: treated as absent (the version is established by hashing)
     fp = fingerprint(table)
     _LAST_TABLE.clear()  # one table kept: the receiver's
     _LAST_TABLE[path] = (raw, table, fp)
     return dict(table) if fp == expected_fingerprint else None
+
+
+def _is_shape(shape: tuple[object, ...]) -> bool:
+    return all(type(s) is int and s >= 0 for s in shape)
 
 
 def file_stats(root: Path, ckpt: SafetensorsCheckpoint) -> dict[str, list[int]]:
