@@ -344,3 +344,16 @@ class CountingProxy:
 
     def close(self) -> None:
         self.server.close()
+
+
+def flip_chain(root: Path) -> list[Path]:
+    """Deltas v0->v1 (A->B), v1->v2 (B->A), v2->v3 (A->B) under ``root``: v1 and v3 share every block."""
+    from dcr_cli.produce import diff
+
+    a = base_tensors(3)
+    ca, cb = write_checkpoint(root / "A", a), write_checkpoint(root / "B", step(a, 4))
+    deltas = []
+    for i, (x, y) in enumerate([(ca, cb), (cb, ca), (ca, cb)], start=1):
+        diff(x, y, root / f"d{i}", base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
+        deltas.append(root / f"d{i}")
+    return deltas

@@ -244,17 +244,11 @@ def test_gc_racing_a_push_that_reuses_old_blocks_loses_nothing(tmp_path: Path, m
     import os
     import time
 
-    from store_fixtures import base_tensors, step, write_checkpoint
+    from store_fixtures import flip_chain
 
-    from dcr_cli.produce import diff
     from dcr_cli.store import repo
 
-    a = base_tensors(3)
-    ca, cb = write_checkpoint(tmp_path / "A", a), write_checkpoint(tmp_path / "B", step(a, 4))
-    ds = []
-    for i, (x, y) in enumerate([(ca, cb), (cb, ca), (ca, cb)], start=1):
-        diff(x, y, tmp_path / f"d{i}", base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
-        ds.append(tmp_path / f"d{i}")
+    ds = flip_chain(tmp_path)
     url = str(tmp_path / "store")
     _publish_chain(url, ds[:2])
     two_hours_ago = time.time() - 7200
@@ -507,17 +501,11 @@ def test_gc_running_longer_than_its_grace_period_keeps_what_a_push_published_mea
     import os
     import time
 
-    from store_fixtures import base_tensors, step, write_checkpoint
+    from store_fixtures import flip_chain
 
-    from dcr_cli.produce import diff
     from dcr_cli.store import repo
 
-    a = base_tensors(3)
-    ca, cb = write_checkpoint(tmp_path / "A", a), write_checkpoint(tmp_path / "B", step(a, 4))
-    ds = []
-    for i, (x, y) in enumerate([(ca, cb), (cb, ca), (ca, cb)], start=1):
-        diff(x, y, tmp_path / f"d{i}", base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
-        ds.append(tmp_path / f"d{i}")
+    ds = flip_chain(tmp_path)
     url = str(tmp_path / "store")
     _publish_chain(url, ds[:2])
     grace = 2.0

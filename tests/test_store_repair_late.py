@@ -171,16 +171,9 @@ def test_gc_between_publication_and_the_repair_upload_keeps_the_repair_blocks(tm
 
     gc runs while v3 is published and its repair blocks (old ones, v1's) are not yet written again.
     """
-    from store_fixtures import base_tensors, step, write_checkpoint
+    from store_fixtures import flip_chain
 
-    from dcr_cli.produce import diff
-
-    a = base_tensors(3)
-    ca, cb = write_checkpoint(tmp_path / "A", a), write_checkpoint(tmp_path / "B", step(a, 4))
-    ds = []
-    for i, (x, y) in enumerate([(ca, cb), (cb, ca), (ca, cb)], start=1):
-        diff(x, y, tmp_path / f"d{i}", base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
-        ds.append(tmp_path / f"d{i}")
+    ds = flip_chain(tmp_path)
     url = str(tmp_path / "store")
     for i, d in enumerate(ds[:2], start=1):
         push(d, url)

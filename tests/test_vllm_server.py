@@ -8,11 +8,6 @@ find its own distribution) with ``VLLM_SERVER_DEV_MODE=1`` for the weight-update
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
@@ -20,7 +15,7 @@ from conftest import require_or_skip
 
 require_or_skip("vllm")  # under CI a missing vLLM fails the run
 
-from vllm_support import PROMPTS, engine_env, ensure_plugin_entry_point, greedy, start_llm, train_run
+from vllm_support import PROMPTS, engine_env, ensure_plugin_entry_point, greedy, start_llm, train_run, vllm_server
 
 pytestmark = pytest.mark.vllm
 
@@ -32,53 +27,10 @@ def qwen3(tmp_path_factory):
     return train_run(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _server_env() -> dict[str, str]:
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs vLLM's default process layout
-    return env
-
-
 @pytest.fixture(scope="module")
 def server(qwen3, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "vllm.log"
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", str(qwen3[0]), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
-        "--weight-transfer-config", json.dumps({"backend": "dcr"}),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_server_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM server not ready after 300 s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    with vllm_server(qwen3[0], tmp_path_factory.mktemp("server") / "vllm.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _get(url: str) -> dict:

@@ -331,51 +331,10 @@ def test_real_engine_interrupted_client_retry_and_failed_finish(qwen3: list[Path
 @pytest.fixture(scope="module")
 def server(qwen3: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+    from vllm_support import vllm_server
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    log = tmp_path_factory.mktemp("server") / "vllm.log"
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", str(qwen3[0]), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
-        "--weight-transfer-config", json.dumps({"backend": "dcr"}),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM server not ready after 300 s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    with vllm_server(qwen3[0], tmp_path_factory.mktemp("server") / "vllm.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.vllm

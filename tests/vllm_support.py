@@ -9,10 +9,17 @@ processes vLLM or the tests spawn find it too).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import tomllib
@@ -64,6 +71,49 @@ def start_llm(model_dir: Path, **overrides):
 
     args = {**ENGINE_ARGS, "weight_transfer_config": {"backend": "dcr"}, **overrides}
     return LLM(model=str(model_dir), **args)
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, log: Path) -> Iterator[str]:
+    """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend; yields its URL."""
+    import pytest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs vLLM's default process layout
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
+        "--weight-transfer-config", json.dumps({"backend": "dcr"}),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM server not ready after 300 s:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def greedy(llm, max_tokens: int = 12) -> list[list[int]]:
