@@ -279,26 +279,30 @@ def delta_files(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-class CountingProxy:
-    """A TCP proxy in front of an HTTP endpoint that counts, per object key, requests and response bytes.
+class LoopbackProxy:
+    """A TCP proxy on 127.0.0.1 in front of an HTTP endpoint; subclasses look at what passes.
 
-    HTTP/1.1 clients send one request at a time on a connection, so the bytes coming back on a
-    connection belong to the last request line sent on it. Counts include response headers.
+    ``admit`` decides per accepted connection whether it is forwarded (False: reset at once);
+    ``seen`` is called, under ``self.lock``, with every chunk before it is forwarded. ``state`` is a
+    per-connection list both directions share (HTTP/1.1 clients send one request at a time on a
+    connection, so the bytes coming back belong to the last request line sent on it).
     """
-
-    _REQUEST = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) (/[^ ?]*)[^ ]* HTTP/1\.1\r\n")
 
     def __init__(self, upstream: str) -> None:
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
         self.lock = threading.Lock()
-        self.requests: dict[tuple[str, str], int] = {}  # (method, path) -> count
-        self.received: dict[str, int] = {}  # path -> response bytes
         self.server = socket.socket()
         self.server.bind(("127.0.0.1", 0))
         self.server.listen(64)
         self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
+
+    def admit(self, conn: socket.socket) -> bool:
+        return True
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        pass
 
     def _serve(self) -> None:
         while True:
@@ -306,22 +310,18 @@ class CountingProxy:
                 conn, _ = self.server.accept()
             except OSError:
                 return
+            if not self.admit(conn):
+                continue
             up = socket.create_connection(self.upstream)
-            current = [""]
-            threading.Thread(target=self._pump, args=(conn, up, current, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, conn, current, False), daemon=True).start()
+            state = [""]
+            threading.Thread(target=self._pump, args=(conn, up, state, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, conn, state, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, current: list[str], upstream: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, state: list[str], upstream: bool) -> None:
         try:
             while data := src.recv(1 << 16):
                 with self.lock:
-                    if upstream:
-                        for method, path in self._REQUEST.findall(data):
-                            current[0] = path.decode()
-                            key = (method.decode(), current[0])
-                            self.requests[key] = self.requests.get(key, 0) + 1
-                    else:
-                        self.received[current[0]] = self.received.get(current[0], 0) + len(data)
+                    self.seen(data, upstream, state)
                 dst.sendall(data)
         except OSError:
             pass
@@ -329,6 +329,29 @@ class CountingProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class CountingProxy(LoopbackProxy):
+    """Counts, per object key, requests and response bytes (response headers included)."""
+
+    _REQUEST = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) (/[^ ?]*)[^ ]* HTTP/1\.1\r\n")
+
+    def __init__(self, upstream: str) -> None:
+        self.requests: dict[tuple[str, str], int] = {}  # (method, path) -> count
+        self.received: dict[str, int] = {}  # path -> response bytes
+        super().__init__(upstream)
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        if upstream:
+            for method, path in self._REQUEST.findall(data):
+                state[0] = path.decode()
+                key = (method.decode(), state[0])
+                self.requests[key] = self.requests.get(key, 0) + 1
+        else:
+            self.received[state[0]] = self.received.get(state[0], 0) + len(data)
 
     def bytes_for(self, suffix: str) -> int:
         with self.lock:
@@ -341,9 +364,6 @@ class CountingProxy:
     def total_bytes(self) -> int:
         with self.lock:
             return sum(self.received.values())
-
-    def close(self) -> None:
-        self.server.close()
 
 
 def flip_chain(root: Path) -> list[Path]:

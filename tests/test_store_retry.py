@@ -7,71 +7,41 @@ turned off so that what is measured is dcr's.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import socket
 import struct
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from store_fixtures import S3Endpoint, make_deltas
+from store_fixtures import LoopbackProxy, S3Endpoint, make_deltas
 
 from dcr_cli.errors import IntegrityError
 from dcr_cli.io.retry import StoreUnavailable, is_transient, retrying
 from dcr_cli.store import Store, pull, push
 
 
-class FlakyProxy:
-    """Forwards 127.0.0.1:port to the endpoint, resetting the first ``drop`` connections (or all, drop=-1)."""
+class FlakyProxy(LoopbackProxy):
+    """Resets the first ``drop`` connections it accepts (or all, drop=-1); counts requests forwarded."""
 
     def __init__(self, upstream: str, drop: int) -> None:
-        host, port = upstream.removeprefix("http://").split(":")
-        self.upstream = (host, int(port))
         self.drop = drop
         self.accepted = 0
         self.requests = 0
-        self.lock = threading.Lock()
-        self.server = socket.socket()
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(64)
-        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__(upstream)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            with self.lock:
-                self.accepted += 1
-                reset = self.drop < 0 or self.accepted <= self.drop
-            if reset:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                conn.close()
-                continue
-            up = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pump, args=(conn, up, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, conn, False), daemon=True).start()
+    def admit(self, conn: socket.socket) -> bool:
+        with self.lock:
+            self.accepted += 1
+            reset = self.drop < 0 or self.accepted <= self.drop
+        if reset:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+        return not reset
 
-    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if count:
-                    with self.lock:
-                        self.requests += data.count(b" HTTP/1.1\r\n")
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.server.close()
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        if upstream:
+            self.requests += data.count(b" HTTP/1.1\r\n")
 
 
 def _options(proxy: FlakyProxy, endpoint: S3Endpoint) -> dict[str, Any]:
