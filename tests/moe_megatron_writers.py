@@ -18,8 +18,7 @@ import types
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from shard_writers import spawn_ranks
+from shard_writers import megatron_gpt_worker, spawn_ranks
 
 LAYOUTS: dict[str, dict[str, int | bool]] = {
     "ep2-sequential": dict(tp=1, ep=2, etp=1, grouped=False),
@@ -34,74 +33,22 @@ LAYOUTS: dict[str, dict[str, int | bool]] = {
 
 
 def _worker(rank: int, world: int, out: str, cfg: dict, layout: dict) -> None:
-    # megatron-core's torch_dist saver synchronizes CUDA and reduces a flag on the current CUDA
-    # device; with a CPU-only torch these two calls are pointed at the CPU (as shard_writers does).
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     if layout["grouped"] and "grouped_gemm" not in sys.modules:
         stand_in = types.ModuleType("grouped_gemm")
         stand_in.ops = types.SimpleNamespace()  # type: ignore[attr-defined]
         sys.modules["grouped_gemm"] = stand_in
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    tp, ep, etp, grouped = int(layout["tp"]), int(layout["ep"]), int(layout["etp"]), bool(layout["grouped"])
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    megatron_gpt_worker(
+        rank,
+        world,
+        out,
+        cfg,
+        tp=int(layout["tp"]),
+        ep=int(layout["ep"]),
+        etp=int(layout["etp"]),
+        grouped=bool(layout["grouped"]),
+        singleton=bool(layout.get("singleton")),
+        poisoned=("linear_qkv.weight", "weight1", "linear_fc1.weight"),
     )
-    config = TransformerConfig(
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_query_groups=cfg["num_key_value_heads"],
-        kv_channels=cfg["head_dim"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        qk_layernorm=True,
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        num_moe_experts=cfg["num_experts"],
-        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-        moe_router_topk=2,
-        moe_grouped_gemm=grouped,
-    )
-    torch.manual_seed(0)
-    model = GPTModel(
-        config,
-        get_gpt_layer_local_spec(num_experts=cfg["num_experts"], qk_layernorm=True, moe_grouped_gemm=grouped),
-        vocab_size=cfg["megatron"]["padded_vocab_size"],
-        max_sequence_length=32,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
-    for tag in ("base", "target"):
-        if tag == "target":  # a training-step-like change in every rank's local shards, plus NaN and -0.0
-            g = torch.Generator().manual_seed(rank)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    flat = p.data.view(-1)
-                    idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 20),), generator=g)
-                    flat[idx] = (flat[idx].float() * 1.01 + 1e-3).to(flat.dtype)
-                    if name.endswith(("linear_qkv.weight", "weight1", "linear_fc1.weight")):
-                        ints = flat.view(torch.int16)
-                        ints[3], ints[4] = 0x7FC3, -0x8000
-        Path(f"{out}/{tag}/torch_dist").mkdir(parents=True, exist_ok=True)
-        # as megatron's own save path does: the same metadata to the model and as the checkpoint's content_metadata
-        metadata = {"singleton_local_shards": True} if layout.get("singleton") else None
-        dist_checkpointing.save(
-            model.sharded_state_dict(metadata=metadata), f"{out}/{tag}/torch_dist", content_metadata=metadata
-        )
-        dist.barrier()
 
 
 def write_megatron_moe(out: str | Path, cfg: dict, layout: str) -> Path:

@@ -304,8 +304,26 @@ REAL_MEGATRON_KEYS = {
 }
 
 
-def _real_megatron_worker(rank: int, world: int, out: str, cfg: dict) -> None:
-    """Builds megatron-core's GPTModel (local layer spec, CPU init) with TP or EP = world; saves torch_dist."""
+def megatron_gpt_worker(
+    rank: int,
+    world: int,
+    out: str,
+    cfg: dict,
+    tp: int,
+    ep: int,
+    etp: int | None = None,
+    grouped: bool = False,
+    singleton: bool = False,
+    poisoned: tuple[str, ...] = ("linear_qkv.weight",),
+) -> None:
+    """Builds megatron-core's GPTModel (local layer spec, CPU init) and saves base and target as torch_dist.
+
+    The target is a training-step-like change in every rank's local shards, plus a NaN payload and
+    -0.0 in every parameter whose name ends with one of ``poisoned``. ``etp``: expert tensor parallel
+    size (None: megatron's default, the attention TP). ``singleton``: megatron's
+    singleton_local_shards layout, passed as its own save path does (to the model and as the
+    checkpoint's content_metadata).
+    """
     # megatron-core's torch_dist saver synchronizes CUDA and reduces a flag on the current CUDA device;
     # with a CPU-only torch these two calls are the only obstacle, so they are pointed at the CPU.
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
@@ -316,9 +334,9 @@ def _real_megatron_worker(rank: int, world: int, out: str, cfg: dict) -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    moe = bool(cfg.get("num_experts"))
-    tp, ep = (1, world) if moe else (world, 1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
     kw = dict(
         num_layers=cfg["num_hidden_layers"],
         hidden_size=cfg["hidden_size"],
@@ -336,33 +354,43 @@ def _real_megatron_worker(rank: int, world: int, out: str, cfg: dict) -> None:
         qk_layernorm=True,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
-    if moe:
+    if cfg.get("num_experts"):
         kw.update(num_moe_experts=cfg["num_experts"], moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-                  moe_router_topk=2, moe_grouped_gemm=False)  # fmt: skip
+                  moe_router_topk=2, moe_grouped_gemm=grouped)  # fmt: skip
     torch.manual_seed(0)
     model = GPTModel(
         TransformerConfig(**kw),
-        get_gpt_layer_local_spec(num_experts=cfg.get("num_experts"), qk_layernorm=True, moe_grouped_gemm=False),
+        get_gpt_layer_local_spec(num_experts=cfg.get("num_experts"), qk_layernorm=True, moe_grouped_gemm=grouped),
         vocab_size=cfg["megatron"]["padded_vocab_size"],
         max_sequence_length=32,
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings")),
         position_embedding_type="rope",
     )
+    metadata = {"singleton_local_shards": True} if singleton else None
     for tag in ("base", "target"):
-        if tag == "target":  # a training-step-like change in every rank's local shards, plus NaN and -0.0
+        if tag == "target":
             g = torch.Generator().manual_seed(rank)
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     flat = p.data.view(-1)
                     idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 20),), generator=g)
                     flat[idx] = (flat[idx].float() * 1.01 + 1e-3).to(flat.dtype)
-                    if name.endswith("linear_qkv.weight"):
+                    if name.endswith(poisoned):
                         ints = flat.view(torch.int16)
                         ints[3], ints[4] = 0x7FC3, -0x8000
         Path(f"{out}/{tag}/torch_dist").mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(model.sharded_state_dict(), f"{out}/{tag}/torch_dist")
+        dist_checkpointing.save(
+            model.sharded_state_dict(metadata=metadata), f"{out}/{tag}/torch_dist", content_metadata=metadata
+        )
         dist.barrier()
+
+
+def _real_megatron_worker(rank: int, world: int, out: str, cfg: dict) -> None:
+    """TP = world for a dense model, EP = world for an MoE."""
+    tp, ep = (1, world) if cfg.get("num_experts") else (world, 1)
+    megatron_gpt_worker(rank, world, out, cfg, tp=tp, ep=ep)
 
 
 def write_real_megatron_checkpoints(out: str | Path, cfg: dict, world: int = 2) -> Path:
