@@ -122,7 +122,7 @@ def apply_vllm(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Apply a chain of deltas to the vLLM server at ``url``; returns {vllm, version, fingerprint, steps}."""
-    from .receive.vllm import apply_to_server
+    from .receive.vllm import apply_chain_to_server
 
     _ack_pair(ack, receiver)
     given = [deltas] if isinstance(deltas, (str, os.PathLike, Delta)) else list(deltas)
@@ -131,7 +131,7 @@ def apply_vllm(
     # The engine's workers open the deltas themselves: local paths are made absolute.
     located = [d if isinstance(d, Delta) or "://" in os.fspath(d) else os.path.abspath(d) for d in given]
     order = receiver_plan.engine_chain(expand_deltas(located))
-    steps = [apply_to_server(url, d, log=log) for d in order]
+    steps = apply_chain_to_server(url, order, log=log)  # one claim for the whole chain
     target = order[-1].manifest.target
     if ack and receiver:
         _acknowledge(ack, receiver, target.version, target.fingerprint, storage_options)

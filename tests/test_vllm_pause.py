@@ -23,7 +23,7 @@ from dcr_cli.errors import ConflictError, IncompatibleError, IntegrityError
 from dcr_cli.format.manifest import MANIFEST_NAME, parse_manifest
 from dcr_cli.receive.vllm import apply as engine_apply
 from dcr_cli.receive.vllm import verify_llm
-from dcr_cli.receive.vllm.client import InProcessEngine, apply_to_engine
+from dcr_cli.receive.vllm.client import InProcessEngine, apply_chain_to_engine, apply_to_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -181,3 +181,33 @@ def test_a_client_with_another_delta_is_refused_while_a_live_client_holds_the_en
     holder.token = "c" * 32
     assert holder.rpc("claim", delta="e" * 64, lease=300)[0]["claimed"]
     assert holder.rpc("release")[0]["ok"]
+
+
+def test_a_chain_is_applied_under_one_claim(qwen3: list[Path]) -> None:
+    """No other client gets between two steps of a chain: one claim from before the first delta's
+    check to after the last delta's resume."""
+    root = qwen3[0].parent
+    llm = start_llm(qwen3[0])
+    intruder = InProcessEngine(llm)
+    intruder.token = "i" * 32
+    refused: list[bool] = []
+
+    class Between(Recording):
+        """Once the first delta's engine is serving again, another client tries to claim before every
+        later call of this client (with a claim per delta, it would get in before the second claim)."""
+
+        def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
+            if "resume" in self.calls:
+                refused.append(not intruder.rpc("claim", delta="f" * 64, lease=300)[0]["claimed"])
+            return super().rpc(op, **args)
+
+    engine = Between(llm)
+    reports = apply_chain_to_engine(engine, [root / "d1", root / "d2"])
+    assert [r["status"] for r in reports] == ["applied", "applied"]
+    assert engine.calls.count("claim") == 1 and engine.calls.count("release") == 1, engine.calls
+    assert engine.calls[0] == "claim" and engine.calls[-1] == "release", engine.calls
+    assert engine.calls.count("prepare") == 2 and engine.calls.count("update") == 2, engine.calls
+    assert refused and all(refused), refused
+    verify_llm(llm)
+    assert intruder.rpc("claim", delta="f" * 64, lease=300)[0]["claimed"]  # released at the end
+    assert intruder.rpc("release")[0]["ok"]

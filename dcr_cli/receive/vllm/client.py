@@ -25,7 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from ... import errors
@@ -219,11 +219,23 @@ def apply_to_engine(engine: Engine, delta: str | os.PathLike[str] | Delta, log: 
     another delta meanwhile is refused (exit 3) before it touches anything; a re-run of the same
     delta takes the claim over (backend.py).
     """
-    location = delta_location(delta)
-    opened = delta if isinstance(delta, Delta) else Delta.open(location)
-    _claim(engine, opened.id)
+    return apply_chain_to_engine(engine, [delta], log)[0]
+
+
+def apply_chain_to_engine(
+    engine: Engine, deltas: Sequence[str | os.PathLike[str] | Delta], log: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
+    """``apply_to_engine`` of each delta in turn (chain order), under one claim for the whole chain.
+
+    The claim names the chain's last delta: no other client gets between two of its steps, and a
+    re-run of the same chain takes an interrupted one's claim over. Returns one report per delta.
+    """
+    opened = [(delta_location(d), d if isinstance(d, Delta) else Delta.open(delta_location(d))) for d in deltas]
+    if not opened:
+        return []
+    _claim(engine, opened[-1][1].id)
     try:
-        return _apply_claimed(engine, location, opened, log)
+        return [_apply_claimed(engine, location, delta, log) for location, delta in opened]
     finally:
         _release(engine)
 
@@ -445,6 +457,12 @@ def verify_engine(engine: Engine, delta: str | os.PathLike[str] | Delta | None =
 
 def apply_to_server(url: str, delta: str | os.PathLike[str] | Delta, log: Callable[[str], None] | None = None):
     return apply_to_engine(ServerEngine(url), delta, log)
+
+
+def apply_chain_to_server(
+    url: str, deltas: Sequence[str | os.PathLike[str] | Delta], log: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
+    return apply_chain_to_engine(ServerEngine(url), deltas, log)
 
 
 def verify_server(url: str, delta: str | os.PathLike[str] | Delta | None = None) -> dict[str, Any]:
