@@ -914,3 +914,11 @@ def _is_int(v: Any) -> TypeGuard[int]:
 
 def _int_list(v: Any) -> TypeGuard[list[int]]:
     return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+def make_section(block: int, offset: int, length: int, digest: str) -> Section:
+    """``Section(...)`` of fields already known good (a writer's), without the frozen dataclass's
+    ``__init__``: the same instance, as ``make_item`` makes items (a writer places 100k sections)."""
+    section = _new_object(Section)
+    section.__dict__.update(block=block, offset=offset, length=length, digest=digest)
+    return section

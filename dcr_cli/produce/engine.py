@@ -25,7 +25,7 @@ from ..checkpoints.shards import BAND_BYTES, RESIDUAL_BAND_BYTES, Chunk, ShardCh
 from ..delta.summary import DiffSummary, summarize
 from ..delta.writer import DeltaWriter
 from ..errors import IncompatibleError
-from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, digest_small, encode_changes
+from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, digest_small, encode_changes, encode_span
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.dtypes import numel, uint_of
 from ..format.kernels import scan_changes
@@ -395,24 +395,27 @@ def execute(
         b_span, n_span = base.span(first, b_lo, count), new.span(first, n_lo, count)  # type: ignore[attr-defined]
         positions, masks, news = scan_changes(b_span, n_span)
         itemsize = b_span.dtype.itemsize
-        starts = [(base.location(name).start - b_lo) // itemsize for name, _ in run]  # type: ignore[attr-defined]
+        names = [name for name, _ in run]
+        starts = [(base.location(name).start - b_lo) // itemsize for name in names]  # type: ignore[attr-defined]
         ends = [start + u.stop for start, (_, u) in zip(starts, run, strict=True)]
         cuts = np.searchsorted(positions, starts + ends).tolist()
-        k = len(run)
-        for i, (name, u) in enumerate(run):
-            e0, e1, i0, i1 = starts[i], ends[i], cuts[i], cuts[k + i]
-            b, n = b_span[e0:e1], n_span[e0:e1]
-            item = encode_changes(
-                name, Region.range(0, u.stop), positions[i0:i1] - e0, masks[i0:i1], news[i0:i1], u.stop,
-                _const(b, n), op=u.op, level=level,
-            )  # fmt: skip
-            if name not in b_digests:
-                b_digests[name] = digest_small(b)
-            if name not in n_digests:
-                n_digests[name] = digest_small(n)
-            if progress:
-                progress(u.stop * u.itemsize)
-            yield name, item
+
+        def dense(i: int) -> tuple[np.ndarray, np.ndarray]:
+            return b_span[starts[i] : ends[i]], n_span[starts[i] : ends[i]]
+
+        ops = [u.op for _, u in run]
+        items = encode_span(names, ops, starts, ends, cuts, positions, masks, news, dense, level=level)
+        hasher = blake3.blake3
+        for digests, span in ((b_digests, b_span), (n_digests, n_span)):
+            raw: memoryview | None = None
+            for name, e0, e1 in zip(names, starts, ends, strict=True):
+                if name not in digests:  # digest_bytes of the tensor's bytes, one BLAKE3 call each
+                    if raw is None:
+                        raw = memoryview(span.view(np.uint8))
+                    digests[name] = hasher(raw[e0 * itemsize : e1 * itemsize]).hexdigest()
+        if progress:
+            progress(sum(u.stop for _, u in run) * itemsize)
+        return zip(names, items, strict=True)
 
     Run = list[tuple[str, RangeUnit]]
 
