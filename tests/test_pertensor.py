@@ -730,3 +730,16 @@ def test_staged_blocks_hold_their_sections_whatever_the_write_batching(tmp_path:
         else:
             r = item.repair
             assert r is not None and blocks[manifest.blocks[r.block].id][r.offset : r.offset + r.length] == repair
+
+
+def test_plan_units_made_fast_are_the_dataclass_units() -> None:
+    import dataclasses
+
+    from dcr_cli.produce.plan import DigestUnit, RangeUnit, digest_unit, range_unit
+
+    pairs = [(digest_unit("t"), DigestUnit("t")), (range_unit("t", 3, 9, "xor", 2), RangeUnit("t", 3, 9, "xor", 2))]
+    for made, built in pairs:
+        assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+        assert dataclasses.astuple(made) == dataclasses.astuple(built)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            made.name = "u"  # type: ignore[misc]

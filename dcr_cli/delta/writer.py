@@ -156,7 +156,10 @@ class _BlockPacker:
         if staged is None:
             self.started += 1
             staged = self.staged = _StagedBlock(self.writer._tmp / BLOCKS_DIR, self.role, self.started)
-        staged.write(data)
+        staged.chunks.append(data)  # staged.write(data), inline
+        staged.buffered += n
+        if staged.buffered >= WRITE_BYTES:
+            staged.drain()
         if self.size >= self.block_bytes:
             self.flush()
 

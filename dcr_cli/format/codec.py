@@ -322,6 +322,7 @@ def encode_changes(
 
 
 _new_object = object.__new__
+_set_dict = object.__setattr__
 
 
 def _sparse_item(
@@ -330,10 +331,11 @@ def _sparse_item(
 ) -> EncodedItem:  # fmt: skip
     """``EncodedItem(...)`` of a sparse item without the dataclass's ``__init__`` (the same instance)."""
     item = _new_object(EncodedItem)
-    item.__dict__.update(
-        tensor=tensor, region=region, op=op, count=count, data=data, positions_length=positions_length, pre=pre,
-        post=post, repair=repair, residual=residual, changed=None,
-    )  # fmt: skip
+    _set_dict(item, "__dict__", {
+        "tensor": tensor, "region": region, "op": op, "count": count, "data": data,
+        "positions_length": positions_length, "pre": pre, "post": post, "repair": repair, "residual": residual,
+        "changed": None,
+    })  # fmt: skip
     return item
 
 
@@ -451,6 +453,7 @@ def encode_span(
     cctx = _compressor(level)
     compress = cctx.compress
     hasher = blake3.blake3
+    regions: dict[int, Region] = {}  # a run's tensors are of a few sizes (a Region is immutable)
     for i in range(k):
         i0, i1 = cuts[i], cuts[k + i]
         count = i1 - i0
@@ -458,6 +461,9 @@ def encode_span(
             continue
         e0 = starts[i]
         size = ends[i] - e0
+        region = regions.get(size)
+        if region is None:
+            region = regions[size] = Region.range(0, size)
         if count >= DENSE_TRIAL_RATE * size:
             items[i] = encode_changes(
                 names[i], Region.range(0, size), positions[i0:i1] - e0, masks[i0:i1], changed_new[i0:i1], size,
@@ -469,7 +475,7 @@ def encode_span(
         xor = xors[i]
         values_frame = compress((mask_view if xor else news_view)[b0:b1])
         items[i] = _sparse_item(
-            names[i], Region.range(0, size), ops[i], count, positions_frame + values_frame, len(positions_frame),
+            names[i], region, ops[i], count, positions_frame + values_frame, len(positions_frame),
             hasher(pre_view[b0:b1]).hexdigest(), hasher(post_view[b0:b1]).hexdigest(),
             compress(news_view[b0:b1]) if xor else None, None,
         )  # fmt: skip

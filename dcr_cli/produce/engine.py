@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import blake3
 import numpy as np
@@ -109,6 +109,10 @@ class HfSide:
         loc = self.ckpt.tensors[name]
         if loc.nbytes:
             release_pages(self.ckpt._map(loc.file), loc.start, loc.nbytes)
+
+    def release_span(self, name: str, start: int, nbytes: int) -> None:
+        """``release_tensor`` of the bytes [start, start + nbytes) of ``name``'s file (a span of neighbours)."""
+        release_pages(self.ckpt._map(self.ckpt.tensors[name].file), start, nbytes)
 
     def release_tensors(self, names: Sequence[str]) -> None:
         """``release_tensor`` of a batch of small tensors: one unmap per file over the span they cover
@@ -427,11 +431,12 @@ def execute(
         b_lo = n_lo = b_end = 0
         file_b = file_n = None
         width = 0
-        located = [(base.location(name), name, ranges) for name, ranges in batch]  # type: ignore[attr-defined]
+        b_loc, n_loc = base.location, new.location  # type: ignore[attr-defined]
+        located = [(b_loc(name), name, ranges[0]) for name, ranges in batch]
         located.sort(key=lambda x: (str(x[0].file), x[0].start))
-        for lb, name, ranges in located:
-            (u,) = ranges
-            ln = new.location(name)  # type: ignore[attr-defined]
+        for lb, name, u in located:
+            ln = n_loc(name)
+            start = lb.start
             nbytes = u.stop * u.itemsize
             whole = u.start == 0 and lb.nbytes == nbytes == ln.nbytes and nbytes > 0
             fits = (
@@ -440,11 +445,11 @@ def execute(
                 and u.itemsize == width
                 and lb.file is file_b
                 and ln.file is file_n
-                and lb.start >= b_end
-                and lb.start - b_lo == ln.start - n_lo
-                and (lb.start - b_lo) % width == 0
-                and lb.start - b_end <= SPAN_GAP_BYTES
-                and lb.start + nbytes - b_lo <= SPAN_BYTES
+                and start >= b_end
+                and start - b_lo == ln.start - n_lo
+                and (start - b_lo) % width == 0
+                and start - b_end <= SPAN_GAP_BYTES
+                and start + nbytes - b_lo <= SPAN_BYTES
             )
             if not fits:
                 if run:
@@ -453,9 +458,9 @@ def execute(
                 if not whole:
                     yield [(name, u)], -1, -1, 0  # not a whole tensor as one range: alone
                     continue
-                b_lo, n_lo, width, file_b, file_n = lb.start, ln.start, u.itemsize, lb.file, ln.file
+                b_lo, n_lo, width, file_b, file_n = start, ln.start, u.itemsize, lb.file, ln.file
             run.append((name, u))
-            b_end = lb.start + nbytes  # (the new side's run ends at the same distance from its start)
+            b_end = start + nbytes  # (the new side's run ends at the same distance from its start)
         if run:
             yield run, b_lo, n_lo, (b_end - b_lo) // width
 
@@ -464,19 +469,29 @@ def execute(
         if hasattr(base, "span") and hasattr(new, "span"):
             # Scanned in file order, emitted in plan order (the items of a batch are a few KiB each).
             found: dict[str, EncodedItem | None] = {}
+            alone: list[str] = []  # tensors scanned alone; the runs' spans are released whole
+            spans: list[tuple[str, int, int, int]] = []  # (first tensor, base start, new start, bytes)
             for run, b_lo, n_lo, count in spans_of(batch):
                 if len(run) > 1:
                     found.update(span_run(run, b_lo, n_lo, count))
+                    spans.append((run[0][0], b_lo, n_lo, count * run[0][1].itemsize))
                 else:
                     name, u = run[0]
                     found[name] = next(iter(small_tensor(name, [u])), None)
+                    alone.append(name)
             for name, _ in batch:
                 item = found[name]
                 if item is not None:
                     yield item
-        else:
-            for name, ranges in batch:
-                yield from small_tensor(name, ranges)
+            for first, b_lo, n_lo, nbytes in spans:
+                base.release_span(first, b_lo, nbytes)  # type: ignore[attr-defined]
+                new.release_span(first, n_lo, nbytes)  # type: ignore[attr-defined]
+            if alone:
+                base.release_tensors(alone)  # type: ignore[attr-defined]
+                new.release_tensors(alone)  # type: ignore[attr-defined]
+            return
+        for name, ranges in batch:
+            yield from small_tensor(name, ranges)
         release = getattr(base, "release_tensors", None)
         if release is not None:
             names = [name for name, _ in batch]
@@ -582,19 +597,25 @@ def execute(
 
     def tasks() -> Iterator[tuple[int, Callable[[], Iterable[EncodedItem]]]]:
         units = plan.units
+        n_units = len(units)
         # A tensor larger than a worker's share is hashed apart, by BLAKE3's own threads.
         share = plan.total_bytes // max(1, workers)
         batch: list[tuple[str, list[RangeUnit]]] = []
         batch_bytes = 0
         i = 0
-        while i < len(units):
+        while i < n_units:
             u = units[i]
             if isinstance(u, DigestUnit) and fused:
                 j = i + 1
-                while j < len(units) and isinstance(units[j], RangeUnit) and units[j].name == u.name:  # type: ignore[union-attr]
+                while j < n_units and isinstance(units[j], RangeUnit) and units[j].name == u.name:  # type: ignore[union-attr]
                     j += 1
-                ranges = [r for r in units[i + 1 : j] if isinstance(r, RangeUnit)]
-                nbytes = sum((r.stop - r.start) * r.itemsize for r in ranges)
+                if j == i + 2:  # one range: a small tensor, usually
+                    r = cast(RangeUnit, units[i + 1])
+                    ranges = [r]
+                    nbytes = (r.stop - r.start) * r.itemsize
+                else:
+                    ranges = cast(list[RangeUnit], units[i + 1 : j])
+                    nbytes = sum((r.stop - r.start) * r.itemsize for r in ranges)
                 if len(ranges) == 1 and nbytes <= SMALL_TENSOR_BYTES:
                     batch.append((u.name, ranges))
                     batch_bytes += nbytes
