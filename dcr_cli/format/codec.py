@@ -325,20 +325,6 @@ _new_object = object.__new__
 _set_dict = object.__setattr__
 
 
-def _sparse_item(
-    tensor: str, region: Region, op: Op, count: int, data: bytes, positions_length: int, pre: str, post: str,
-    repair: bytes | None, residual: str | None,
-) -> EncodedItem:  # fmt: skip
-    """``EncodedItem(...)`` of a sparse item without the dataclass's ``__init__`` (the same instance)."""
-    item = _new_object(EncodedItem)
-    _set_dict(item, "__dict__", {
-        "tensor": tensor, "region": region, "op": op, "count": count, "data": data,
-        "positions_length": positions_length, "pre": pre, "post": post, "repair": repair, "residual": residual,
-        "changed": None,
-    })  # fmt: skip
-    return item
-
-
 def encode_span(
     names: list[str],
     ops: list[Op],
@@ -453,6 +439,7 @@ def encode_span(
     cctx = _compressor(level)
     compress = cctx.compress
     hasher = blake3.blake3
+    new_item, set_dict = _new_object, _set_dict
     regions: dict[int, Region] = {}  # a run's tensors are of a few sizes (a Region is immutable)
     for i in range(k):
         i0, i1 = cuts[i], cuts[k + i]
@@ -474,11 +461,14 @@ def encode_span(
         positions_frame = compress(gap_view[sections[i] : sections[k + i]])
         xor = xors[i]
         values_frame = compress((mask_view if xor else news_view)[b0:b1])
-        items[i] = _sparse_item(
-            names[i], region, ops[i], count, positions_frame + values_frame, len(positions_frame),
-            hasher(pre_view[b0:b1]).hexdigest(), hasher(post_view[b0:b1]).hexdigest(),
-            compress(news_view[b0:b1]) if xor else None, None,
-        )  # fmt: skip
+        item = new_item(EncodedItem)  # EncodedItem(...) without the dataclass's __init__: the same instance
+        set_dict(item, "__dict__", {
+            "tensor": names[i], "region": region, "op": ops[i], "count": count,
+            "data": positions_frame + values_frame, "positions_length": len(positions_frame),
+            "pre": hasher(pre_view[b0:b1]).hexdigest(), "post": hasher(post_view[b0:b1]).hexdigest(),
+            "repair": compress(news_view[b0:b1]) if xor else None, "residual": None, "changed": None,
+        })  # fmt: skip
+        items[i] = item
     return items
 
 
