@@ -711,7 +711,9 @@ def test_staged_blocks_hold_their_sections_whatever_the_write_batching(tmp_path:
 
     w = writer_mod.DeltaWriter(tmp_path / "d", block_bytes=3 << 20, on_block=on_block)
     added: list[tuple[bytes, bytes | None]] = []
-    for i, size in enumerate([10, 300, writer_mod.WRITE_BYTES + 7, 5, 2 << 20, 1, 900_000, 64, 4 << 20, 3]):
+    sizes = [10, 300, writer_mod.WRITE_BYTES + 7, 5, 2 << 20, 1, 900_000, 64, 4 << 20, 3, 70_000, 9]
+    sizes += [30_000] * 40 + [7]  # small sections that fill the write buffer by themselves
+    for i, size in enumerate(sizes):
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         repair = data[: size // 2] if i % 3 else None
         added.append((data, repair))

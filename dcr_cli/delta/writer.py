@@ -54,6 +54,9 @@ _fdatasync = getattr(os, "fdatasync", os.fsync)
 # an MoE diff adds 100k sections of a few hundred bytes, and a write and a hash call each cost more than
 # the bytes (the block file and its digest are the same).
 WRITE_BYTES = 1 << 20
+# A section at least this large is written (with what was gathered before it) as soon as it is added,
+# as a large tensor's sections always were: its write and hash calls cost nothing next to its bytes.
+_WRITE_AT_ONCE = 64 << 10
 
 
 class _StagedBlock:
@@ -72,7 +75,7 @@ class _StagedBlock:
     def write(self, data: bytes) -> None:
         self.chunks.append(data)
         self.buffered += len(data)
-        if self.buffered >= WRITE_BYTES:
+        if self.buffered >= WRITE_BYTES or len(data) >= _WRITE_AT_ONCE:
             self.drain()
 
     def drain(self) -> None:
@@ -158,7 +161,7 @@ class _BlockPacker:
             staged = self.staged = _StagedBlock(self.writer._tmp / BLOCKS_DIR, self.role, self.started)
         staged.chunks.append(data)  # staged.write(data), inline
         staged.buffered += n
-        if staged.buffered >= WRITE_BYTES:
+        if staged.buffered >= WRITE_BYTES or n >= _WRITE_AT_ONCE:
             staged.drain()
         if self.size >= self.block_bytes:
             self.flush()
