@@ -630,8 +630,9 @@ def test_a_damaged_recorded_shape_neither_crashes_the_fingerprint_nor_is_trusted
     assert read_recorded_table(tmp_path, fingerprint(odd)) is None
 
 
+@pytest.mark.parametrize("level", [None, 3], ids=["tuned", "level-3"])
 @pytest.mark.parametrize("uint", [np.uint8, np.uint16, np.uint32, np.uint64])
-def test_a_span_encodes_each_tensor_as_its_own_encoding(uint: type) -> None:
+def test_a_span_encodes_each_tensor_as_its_own_encoding(uint: type, level: int | None) -> None:
     """``encode_span`` (one set of numpy passes over a span's changes) gives every tensor exactly the
     item ``encode_changes`` gives it alone: gaps with and without escapes, byte planes of every width,
     xor and overwrite, dense trials, unchanged tensors, and changes between the tensors left out."""
@@ -672,10 +673,10 @@ def test_a_span_encodes_each_tensor_as_its_own_encoding(uint: type) -> None:
         ) -> tuple[np.ndarray, np.ndarray]:
             return base[starts[i] : ends[i]], new[starts[i] : ends[i]]
 
-        got = codec.encode_span(names, ops, starts, ends, cuts, positions, masks, news, dense)  # type: ignore[arg-type]
+        got = codec.encode_span(names, ops, starts, ends, cuts, positions, masks, news, dense, level=level)  # type: ignore[arg-type]
         for i in range(k):
             b, n = base[starts[i] : ends[i]], new[starts[i] : ends[i]]
-            want = codec.diff_region(names[i], Region.range(0, len(b)), b, n, op=ops[i])  # type: ignore[arg-type]
+            want = codec.diff_region(names[i], Region.range(0, len(b)), b, n, op=ops[i], level=level)  # type: ignore[arg-type]
             assert got[i] == want, (trial, i)
             if want is not None and want.op == "replace":
                 dense_seen += 1
