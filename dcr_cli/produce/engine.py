@@ -391,7 +391,7 @@ def execute(
             yield item
 
     def span_run(
-        run: list[tuple[str, RangeUnit]], b_lo: int, n_lo: int, count: int
+        run: list[tuple[str, RangeUnit]], b_lo: int, n_lo: int, count: int, b_starts: list[int]
     ) -> Iterator[tuple[str, EncodedItem | None]]:
         """Neighbouring small tensors laid out alike in both files: one scan over their span, its changes
         cut at the tensors' bounds; each tensor's item is exactly the one its own scan gives."""
@@ -400,7 +400,7 @@ def execute(
         positions, masks, news = scan_changes(b_span, n_span)
         itemsize = b_span.dtype.itemsize
         names = [name for name, _ in run]
-        starts = [(base.location(name).start - b_lo) // itemsize for name in names]  # type: ignore[attr-defined]
+        starts = [(start - b_lo) // itemsize for start in b_starts]  # the tensors' byte starts in the base file
         ends = [start + u.stop for start, (_, u) in zip(starts, run, strict=True)]
         cuts = np.searchsorted(positions, starts + ends).tolist()
 
@@ -423,11 +423,13 @@ def execute(
 
     Run = list[tuple[str, RangeUnit]]
 
-    def spans_of(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[tuple[Run, int, int, int]]:
+    def spans_of(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[tuple[Run, int, int, int, list[int]]]:
         """The batch, in base file order, cut into runs for ``span_run``: whole-tensor ranges of one width
         that follow each other in one file of each side, at the same distances on both sides, with
-        little else between them. (run, base start, new start, elements); a run of one is scanned alone."""
+        little else between them. (run, base start, new start, elements, the run's tensors' base starts);
+        a run of one is scanned alone."""
         run: list[tuple[str, RangeUnit]] = []
+        b_starts: list[int] = []  # byte starts in the base file of the run's tensors
         b_lo = n_lo = b_end = 0
         file_b = file_n = None
         width = 0
@@ -453,16 +455,17 @@ def execute(
             )
             if not fits:
                 if run:
-                    yield run, b_lo, n_lo, (b_end - b_lo) // width
-                run = []
+                    yield run, b_lo, n_lo, (b_end - b_lo) // width, b_starts
+                run, b_starts = [], []
                 if not whole:
-                    yield [(name, u)], -1, -1, 0  # not a whole tensor as one range: alone
+                    yield [(name, u)], -1, -1, 0, []  # not a whole tensor as one range: alone
                     continue
                 b_lo, n_lo, width, file_b, file_n = start, ln.start, u.itemsize, lb.file, ln.file
             run.append((name, u))
+            b_starts.append(start)
             b_end = start + nbytes  # (the new side's run ends at the same distance from its start)
         if run:
-            yield run, b_lo, n_lo, (b_end - b_lo) // width
+            yield run, b_lo, n_lo, (b_end - b_lo) // width, b_starts
 
     def batch_task(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[EncodedItem]:
         """Consecutive small tensors, one after the other in one task (see SMALL_TENSOR_BYTES)."""
@@ -471,9 +474,9 @@ def execute(
             found: dict[str, EncodedItem | None] = {}
             alone: list[str] = []  # tensors scanned alone; the runs' spans are released whole
             spans: list[tuple[str, int, int, int]] = []  # (first tensor, base start, new start, bytes)
-            for run, b_lo, n_lo, count in spans_of(batch):
+            for run, b_lo, n_lo, count, b_starts in spans_of(batch):
                 if len(run) > 1:
-                    found.update(span_run(run, b_lo, n_lo, count))
+                    found.update(span_run(run, b_lo, n_lo, count, b_starts))
                     spans.append((run[0][0], b_lo, n_lo, count * run[0][1].itemsize))
                 else:
                     name, u = run[0]
