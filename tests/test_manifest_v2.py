@@ -293,3 +293,45 @@ def test_writer_sections_use_the_writers_major(tmp_path: Path) -> None:
         damaged = dataclasses.replace(m.items[0].data, digest="0" * len(m.items[0].data.digest))
         with pytest.raises(Exception, match="digest mismatch"):
             d.read_section(damaged, "t")
+
+
+def _generic_text(m: Manifest) -> bytes:
+    """The 2.x document as ``json.dumps`` of its object gives it (the reference for the row templates)."""
+    return m._json_text_v2_generic(
+        {
+            "format": "dcr.delta",
+            "format_version": [m.major, m.minor],
+            "producer": m.producer,
+            "created": m.created,
+            "base": {"version": m.base.version, "fingerprint": m.base.fingerprint},
+            "target": {"version": m.target.version, "fingerprint": m.target.fingerprint},
+        },
+        {name: i for i, name in enumerate(m.tensors)},
+    )
+
+
+@SETTINGS
+@given(m=manifests(major=2))
+def test_v2_rows_written_from_templates_are_json_dumps_of_the_rows(m: Manifest) -> None:
+    assert m.json_text() == _generic_text(m)
+
+
+def test_v2_row_templates_keep_every_odd_field_as_json_dumps_writes_it() -> None:
+    """Names that need escaping, extras that collide with a member or hold nested values, fields of
+    unusual types (a bool count, a list shape): the document is still byte for byte json.dumps'."""
+    data, repair = Section(0, 0, 10, "a" * 32), Section(1, 3, 4, "b" * 32)
+    names = ['q"uote\\back', "ctl\x01\x1f", "uni é \u2028 \U0001f600", "plain", "box"]
+    tensors = {n: TensorEntry("BF16", (4, 2), "c" * 64) for n in names}
+    tensors["plain"] = TensorEntry("U8", [3, 1], "d" * 64)  # type: ignore[arg-type]  # a list shape
+    items = [
+        Item(names[0], Region.range(0, 8), "xor", 2, data, 3, "e" * 64, "f" * 64, repair),
+        Item(names[1], Region.range(1, 5), "overwrite", True, data, 3, "e" * 64, "f" * 64, None),  # type: ignore[arg-type]
+        Item(names[2], Region.range(0, 8), "replace", 8, data, 0, "e" * 64, "f" * 64, None, "cast", 5),
+        Item("plain", Region.range(0, 3), "xor", 1, data, 2, "e" * 64, "f" * 64, repair, 'why "not"'),
+        Item("box", Region.box((1, 0), (3, 2)), "xor", 1, data, 2, "e" * 64, "f" * 64, repair),
+    ]
+    ref_ = VersionRef('v"1', "0" * 64)
+    for extra in ({}, {"items": [1], "x-future": {"a": [1, None, "é"]}}, {"residual_tensors": {names[0]: "cast"}}):
+        m = Manifest(ref_, ref_, tensors, items, [], created="now", producer="p\n", extra=extra)
+        assert m.json_text() == _generic_text(m)
+        json.loads(m.json_text())

@@ -628,3 +628,121 @@ def test_a_damaged_recorded_shape_neither_crashes_the_fingerprint_nor_is_trusted
     table = {"tensors": {"a": {"dtype": "BF16", "shape": [[1], 2], "digest": "0" * 64}}}
     (state_dir(tmp_path) / "table.json").write_text(json.dumps(table))
     assert read_recorded_table(tmp_path, fingerprint(odd)) is None
+
+
+@pytest.mark.parametrize("level", [None, 3], ids=["tuned", "level-3"])
+@pytest.mark.parametrize("uint", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_a_span_encodes_each_tensor_as_its_own_encoding(uint: type, level: int | None) -> None:
+    """``encode_span`` (one set of numpy passes over a span's changes) gives every tensor exactly the
+    item ``encode_changes`` gives it alone: gaps with and without escapes, byte planes of every width,
+    xor and overwrite, dense trials, unchanged tensors, and changes between the tensors left out."""
+    from dcr_cli.format.kernels import scan_changes
+    from dcr_cli.format.manifest import Region
+
+    rng = np.random.default_rng(int(np.dtype(uint).itemsize))
+    bits = 8 * np.dtype(uint).itemsize
+    escapes_seen = dense_seen = 0
+    for trial in range(40):
+        k = int(rng.integers(1, 24))
+        sizes = rng.integers(0, 3000, k)
+        gaps = rng.integers(0, 40, k) * (trial % 3 != 0)  # a third of the spans: tensors back to back
+        starts, ends, at = [], [], 0
+        for size, gap in zip(sizes, gaps, strict=True):
+            at += int(gap)
+            starts.append(at)
+            at += int(size)
+            ends.append(at)
+        span = at + int(rng.integers(0, 9))
+        base = rng.integers(0, 1 << min(bits, 63), span, dtype=np.uint64).astype(uint)
+        new = base.copy()
+        for e0, e1 in zip(starts, ends, strict=True):
+            rate = float(rng.choice([0.0, 0.002, 0.01, 0.05, 0.3, 1.0]))
+            hit = rng.random(e1 - e0) < rate
+            new[e0:e1][hit] ^= rng.integers(1, 1 << min(bits, 63), int(hit.sum()), dtype=np.uint64).astype(uint)
+        between = rng.random(span) < 0.05  # changes in the bytes between tensors: no tensor's
+        for e0, e1 in zip(starts, ends, strict=True):
+            between[e0:e1] = False
+        new[between] ^= uint(1)
+        ops = [str(rng.choice(["xor", "overwrite"])) for _ in range(k)]
+        positions, masks, news = scan_changes(base, new)
+        cuts = np.searchsorted(positions, starts + ends).tolist()
+        names = [f"t{i}" for i in range(k)]
+
+        def dense(
+            i: int, base: np.ndarray = base, new: np.ndarray = new, starts: list[int] = starts, ends: list[int] = ends
+        ) -> tuple[np.ndarray, np.ndarray]:
+            return base[starts[i] : ends[i]], new[starts[i] : ends[i]]
+
+        got = codec.encode_span(names, ops, starts, ends, cuts, positions, masks, news, dense, level=level)  # type: ignore[arg-type]
+        for i in range(k):
+            b, n = base[starts[i] : ends[i]], new[starts[i] : ends[i]]
+            want = codec.diff_region(names[i], Region.range(0, len(b)), b, n, op=ops[i], level=level)  # type: ignore[arg-type]
+            assert got[i] == want, (trial, i)
+            if want is not None and want.op == "replace":
+                dense_seen += 1
+            if want is not None and want.op != "replace" and np.any(np.diff(np.flatnonzero(b != n)) > 256):
+                escapes_seen += 1
+    assert escapes_seen > 10 and dense_seen > 3, (escapes_seen, dense_seen)  # the cases were exercised
+
+
+def test_make_section_is_the_dataclass_section() -> None:
+    import dataclasses
+
+    from dcr_cli.format.manifest import Section, make_section
+
+    made, built = make_section(3, 17, 250, "a" * 32), Section(3, 17, 250, "a" * 32)
+    assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.offset = 1  # type: ignore[misc]
+
+
+def test_staged_blocks_hold_their_sections_whatever_the_write_batching(tmp_path: Path) -> None:
+    """Sections are gathered and written WRITE_BYTES at a time: every block file is still exactly its
+    sections' bytes, named by their digest, and on_block sees the same bytes."""
+    from dcr_cli.delta import writer as writer_mod
+    from dcr_cli.format.codec import EncodedItem
+    from dcr_cli.format.digest import digest_bytes
+    from dcr_cli.format.manifest import Region, TensorEntry, VersionRef
+
+    rng = np.random.default_rng(5)
+    seen: dict[str, bytes] = {}
+
+    def on_block(block_id: str, data: bytes) -> None:
+        seen[block_id] = bytes(data)
+
+    w = writer_mod.DeltaWriter(tmp_path / "d", block_bytes=3 << 20, on_block=on_block)
+    added: list[tuple[bytes, bytes | None]] = []
+    sizes = [10, 300, writer_mod.WRITE_BYTES + 7, 5, 2 << 20, 1, 900_000, 64, 4 << 20, 3, 70_000, 9]
+    sizes += [30_000] * 40 + [7]  # small sections that fill the write buffer by themselves
+    for i, size in enumerate(sizes):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        repair = data[: size // 2] if i % 3 else None
+        added.append((data, repair))
+        w.add(EncodedItem(f"t{i}", Region.range(0, size), "xor", 1, data, 0, "c" * 64, "d" * 64, repair))
+    ref = VersionRef("v", "0" * 64)
+    manifest = w.finish(ref, ref, {f"t{i}": TensorEntry("U8", (len(d),), "0" * 64) for i, (d, _) in enumerate(added)})
+    blocks = {b.id: (tmp_path / "d" / b.path).read_bytes() for b in manifest.blocks}
+    assert len(manifest.blocks) > 3
+    for block_id, raw in blocks.items():
+        assert digest_bytes(raw) == block_id and seen[block_id] == raw
+    for item, (data, repair) in zip(manifest.items, added, strict=True):
+        d = item.data
+        assert blocks[manifest.blocks[d.block].id][d.offset : d.offset + d.length] == data
+        if repair is None:
+            assert item.repair is None
+        else:
+            r = item.repair
+            assert r is not None and blocks[manifest.blocks[r.block].id][r.offset : r.offset + r.length] == repair
+
+
+def test_plan_units_made_fast_are_the_dataclass_units() -> None:
+    import dataclasses
+
+    from dcr_cli.produce.plan import DigestUnit, RangeUnit, digest_unit, range_unit
+
+    pairs = [(digest_unit("t"), DigestUnit("t")), (range_unit("t", 3, 9, "xor", 2), RangeUnit("t", 3, 9, "xor", 2))]
+    for made, built in pairs:
+        assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+        assert dataclasses.astuple(made) == dataclasses.astuple(built)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            made.name = "u"  # type: ignore[misc]

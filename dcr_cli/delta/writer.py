@@ -27,6 +27,7 @@ from ..format.manifest import (
     FORMAT_MAJOR,
     MANIFEST_NAME,
     MANIFEST_ZSTD_LEVEL,
+    SECTION_DIGEST_BYTES,
     TARGET_BLOCK_BYTES,
     BlockEntry,
     BlockRole,
@@ -36,9 +37,12 @@ from ..format.manifest import (
     TensorEntry,
     VersionRef,
     make_item,
+    make_section,
     section_digest,
 )
 from ..io.files import fsync_dir, write_atomic
+
+_blake3 = blake3.blake3
 
 # A block being filled is synced to disk every this many bytes, so that its final fsync (on the
 # diff's critical path, after the last item) has little left to write.
@@ -46,18 +50,40 @@ SYNC_BYTES = 8 << 20
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
+# Sections are gathered in memory up to this many bytes before they are written and hashed at once:
+# an MoE diff adds 100k sections of a few hundred bytes, and a write and a hash call each cost more than
+# the bytes (the block file and its digest are the same).
+WRITE_BYTES = 1 << 20
+# A section at least this large is written (with what was gathered before it) as soon as it is added,
+# as a large tensor's sections always were: its write and hash calls cost nothing next to its bytes.
+_WRITE_AT_ONCE = 64 << 10
+
+
 class _StagedBlock:
-    """A block's file, written and hashed section by section while the block fills (under a temporary
-    name in the blocks directory): when it is full, or at finish, only its last sections remain to be
-    written and synced, instead of the whole block at once."""
+    """A block's file, written and hashed while the block fills (under a temporary name in the blocks
+    directory), WRITE_BYTES at a time: when it is full, or at finish, only its last sections remain to
+    be written and synced, instead of the whole block at once."""
 
     def __init__(self, directory: Path, role: BlockRole, number: int) -> None:
         self.path = directory / f".partial-{role}-{number}"
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         self.hasher = blake3.blake3(max_threads=1)
         self.unsynced = 0
+        self.chunks: list[bytes] = []  # added, not yet written
+        self.buffered = 0
 
     def write(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.buffered += len(data)
+        if self.buffered >= WRITE_BYTES or len(data) >= _WRITE_AT_ONCE:
+            self.drain()
+
+    def drain(self) -> None:
+        """Write and hash the sections gathered so far."""
+        if not self.chunks:
+            return
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks, self.buffered = [], 0
         view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view) :]
@@ -68,10 +94,12 @@ class _StagedBlock:
             self.unsynced = 0
 
     def digest(self) -> str:
+        self.drain()
         return self.hasher.hexdigest()  # digest_bytes of the block's bytes
 
     def place(self, path: Path) -> None:
         """Sync the file and give it its content address (dropping it when that block exists already)."""
+        self.drain()
         os.fsync(self.fd)
         self.close()
         if path.exists():
@@ -80,6 +108,7 @@ class _StagedBlock:
             os.replace(self.path, path)
 
     def close(self) -> None:
+        self.chunks = []
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -113,18 +142,28 @@ class _BlockPacker:
         self.pending: list[tuple[int, str, int, int, str]] = []  # (item index, field, offset, length, digest)
         self.staged: _StagedBlock | None = None
         self.started = 0  # blocks begun (names the staged files apart)
+        self.digest_bytes = SECTION_DIGEST_BYTES[writer.major]
+        self.block_bytes = writer.block_bytes
 
     def add(self, item_index: int, field: str, data: bytes) -> None:
-        digest = section_digest(data, self.writer.major)
-        self.pending.append((item_index, field, self.size, len(data), digest))
-        self.size += len(data)
+        n = len(data)
+        if type(data) is bytes and n <= WRITE_BYTES:  # section_digest of a small section, without its wrapper
+            digest = _blake3(data).hexdigest(length=self.digest_bytes)
+        else:
+            digest = section_digest(data, self.writer.major)
+        self.pending.append((item_index, field, self.size, n, digest))
+        self.size += n
         if self.buffer is not None:
             self.buffer += data
-        if self.staged is None:
+        staged = self.staged
+        if staged is None:
             self.started += 1
-            self.staged = _StagedBlock(self.writer._tmp / BLOCKS_DIR, self.role, self.started)
-        self.staged.write(data)
-        if self.size >= self.writer.block_bytes:
+            staged = self.staged = _StagedBlock(self.writer._tmp / BLOCKS_DIR, self.role, self.started)
+        staged.chunks.append(data)  # staged.write(data), inline
+        staged.buffered += n
+        if staged.buffered >= WRITE_BYTES or n >= _WRITE_AT_ONCE:
+            staged.drain()
+        if self.size >= self.block_bytes:
             self.flush()
 
     def flush(self) -> None:
@@ -133,8 +172,9 @@ class _BlockPacker:
         staged, self.staged = self.staged, None
         data = bytes(self.buffer) if self.buffer is not None else _Written(self.size)
         index = self.writer._store_block(data, self.role, staged)  # type: ignore[arg-type]  # _Written: len() only
-        for item_index, field, offset, length, digest in self.pending:
-            self.writer._sections[field][item_index] = Section(index, offset, length, digest)
+        sections = self.writer._sections[self.role]
+        for item_index, _, offset, length, digest in self.pending:
+            sections[item_index] = make_section(index, offset, length, digest)
         if self.buffer is not None:
             self.buffer = bytearray()
         self.size = 0
@@ -190,6 +230,7 @@ class DeltaWriter:
         self._sections: dict[str, list[Section | None]] = {"data": [], "repair": []}  # by field, by item index
         self._blocks: list[BlockEntry] = []
         self._packers = {"data": _BlockPacker(self, "data"), "repair": _BlockPacker(self, "repair")}
+        self._data_packer, self._repair_packer = self._packers["data"], self._packers["repair"]
 
     def _store_block(self, data: bytes, role: BlockRole, staged: _StagedBlock | None = None) -> int:
         """Store a block (``staged``: its bytes are already in that file) and report it to ``on_block``."""
@@ -212,11 +253,12 @@ class DeltaWriter:
     def add(self, item: EncodedItem) -> None:
         with self._lock:
             index = len(self._items)
-            self._sections["data"].append(None)
-            self._sections["repair"].append(None)
-            self._packers["data"].add(index, "data", item.data)
+            sections = self._sections
+            sections["data"].append(None)
+            sections["repair"].append(None)
+            self._data_packer.add(index, "data", item.data)
             if item.repair is not None:
-                self._packers["repair"].add(index, "repair", item.repair)
+                self._repair_packer.add(index, "repair", item.repair)
             # Keep the fields only: the section bytes now live in the packers' blocks, and holding
             # them until finish() would make the writer's memory grow with the delta.
             self._items.append(

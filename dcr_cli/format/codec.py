@@ -25,7 +25,7 @@ import zstandard
 from ..errors import IntegrityError
 from .digest import digest_bytes
 from .dtypes import DType
-from .kernels import byte_planes, escaped_gaps, merge_planes, positions_from_gaps, scan_changes
+from .kernels import ESCAPE, byte_planes, escaped_gaps, merge_planes, positions_from_gaps, scan_changes
 from .manifest import Op, Region
 
 # None selects dcr's tuned parameters; an int selects that standard zstd level.
@@ -319,6 +319,164 @@ def encode_changes(
         residual=residual,
         changed=count,
     )
+
+
+_new_object = object.__new__
+_set_dict = object.__setattr__
+
+
+def encode_span(
+    names: list[str],
+    ops: list[Op],
+    starts: list[int],
+    ends: list[int],
+    cuts: list[int],
+    positions: np.ndarray,
+    masks: np.ndarray,
+    changed_new: np.ndarray,
+    dense: Callable[[int], tuple[np.ndarray, np.ndarray]],
+    *,
+    level: int | None = DEFAULT_LEVEL,
+) -> list[EncodedItem | None]:
+    """The items of neighbouring whole tensors scanned as one span: exactly ``encode_changes`` of each.
+
+    Tensor ``i`` is elements [starts[i], ends[i]) of the span (in increasing order, disjoint) and its
+    changes are entries [cuts[i], cuts[k + i]) of the span's scan (``positions`` span-local, ``masks``,
+    ``changed_new``); its item is a flat range [0, ends[i] - starts[i]) of tensor ``names[i]`` with op
+    ``ops[i]``. ``dense(i)`` returns tensor i's whole (base, new), for its dense trial.
+
+    The span's gaps, byte planes and pre values are computed once, in a few numpy passes over all of
+    its changes, laid out so that each tensor's section is one contiguous slice; per tensor there
+    remain its zstd frames and digests (an MoE diff encodes 100k tensors of a few KiB). A tensor
+    due a dense trial (a quarter of it changed) takes ``encode_changes`` itself.
+    """
+    k = len(names)
+    total = len(positions)
+    items: list[EncodedItem | None] = [None] * k
+    if total == 0:
+        return items
+    width = masks.dtype.itemsize
+    if not (masks.dtype.isnative and changed_new.dtype.isnative and _LITTLE):  # byte views are not LE planes
+        for i in range(k):
+            i0, i1, e0 = cuts[i], cuts[k + i], starts[i]
+            items[i] = encode_changes(
+                names[i], Region.range(0, ends[i] - e0), positions[i0:i1] - e0, masks[i0:i1], changed_new[i0:i1],
+                ends[i] - e0, _bound(dense, i), op=ops[i], level=level,
+            )  # fmt: skip
+        return items
+    lo = np.asarray(cuts[:k], dtype=np.int64)
+    hi = np.asarray(cuts[k:], dtype=np.int64)
+    counts = hi - lo
+    owned = int(counts.sum())
+    if owned != total:  # changes between the tensors (bytes of no tensor of the run): left out
+        marks = np.zeros(total + 1, dtype=np.int64)
+        np.add.at(marks, lo, 1)
+        np.add.at(marks, hi, -1)
+        keep = np.cumsum(marks[:-1]) > 0
+        positions, masks, changed_new = positions[keep], masks[keep], changed_new[keep]
+        total = owned
+        hi = np.cumsum(counts)
+        lo = hi - counts
+        cuts = lo.tolist() + hi.tolist()
+        if total == 0:
+            return items
+    has = counts > 0
+    # Gaps as the format codes them (g0 = p0 - region start, gi = pi - p(i-1) - 1), for every tensor at once.
+    gaps = np.empty(total, dtype=np.int64)
+    gaps[0] = positions[0]
+    np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+    gaps[1:] -= 1
+    firsts = lo[has]
+    gaps[firsts] = positions[firsts] - np.asarray(starts, dtype=np.int64)[has]
+    # Each tensor's positions section, tensor after tensor: its gap bytes (min(gap, 255)), then the
+    # rest (gap - 255) of each of its escaped gaps as four byte planes (delta-v1 §6.1).
+    escaped = np.flatnonzero(gaps >= ESCAPE)
+    if len(escaped):
+        escapes_to = np.zeros(total + 1, dtype=np.int64)  # escapes among the first j gaps
+        escapes_to[escaped + 1] = 1
+        np.cumsum(escapes_to, out=escapes_to)
+        before = escapes_to[lo]  # escapes of the tensors before each one
+        escapes = escapes_to[hi] - before
+        out = np.empty(total + 4 * len(escaped), dtype=np.uint8)
+        out[np.arange(total, dtype=np.int64) + 4 * np.repeat(before, counts)] = np.minimum(gaps, ESCAPE)
+        rest = gaps[escaped] - ESCAPE
+        owner = np.repeat(np.arange(k), escapes)
+        at = (lo + 3 * before + counts)[owner] + np.arange(len(escaped), dtype=np.int64)
+        step = escapes[owner]
+        for plane in range(4):
+            out[at] = (rest >> (8 * plane)) & 0xFF
+            at += step
+        gap_bytes = out.tobytes()
+        sections = (lo + 4 * before).tolist() + (hi + 4 * escapes_to[hi]).tolist()
+    else:
+        gap_bytes = gaps.astype(np.uint8).tobytes()
+        sections = cuts
+    xors = [op == "xor" for op in ops]
+    pre_values = masks ^ changed_new
+    # Byte planes of every tensor's values, tensor after tensor: tensor t's plane j of its element at
+    # local index l goes to width * lo[t] + j * count[t] + l, so its planes are one slice.
+    if width == 1:
+        planes_masks = masks.tobytes() if any(xors) else b""
+        planes_news = changed_new.tobytes()
+    else:
+        owner_lo = np.repeat(lo, counts)
+        owner_count = np.repeat(counts, counts)
+        base_at = np.arange(total, dtype=np.int64) + (width - 1) * owner_lo  # width * lo + (index - lo)
+
+        def planes(values: np.ndarray) -> bytes:
+            raw = values.view(np.uint8).reshape(total, width)
+            out = np.empty(total * width, dtype=np.uint8)
+            at = base_at.copy()
+            for j in range(width):
+                out[at] = raw[:, j]
+                at += owner_count
+            return out.tobytes()
+
+        planes_masks = planes(masks) if any(xors) else b""
+        planes_news = planes(changed_new)
+    gap_view, mask_view, news_view = memoryview(gap_bytes), memoryview(planes_masks), memoryview(planes_news)
+    pre_view, post_view = memoryview(pre_values.tobytes()), memoryview(changed_new.tobytes())
+    cctx = _compressor(level)
+    compress = cctx.compress
+    hasher = blake3.blake3
+    new_item, set_dict = _new_object, _set_dict
+    regions: dict[int, Region] = {}  # a run's tensors are of a few sizes (a Region is immutable)
+    for i in range(k):
+        i0, i1 = cuts[i], cuts[k + i]
+        count = i1 - i0
+        if count == 0:
+            continue
+        e0 = starts[i]
+        size = ends[i] - e0
+        region = regions.get(size)
+        if region is None:
+            region = regions[size] = Region.range(0, size)
+        if count >= DENSE_TRIAL_RATE * size:
+            items[i] = encode_changes(
+                names[i], Region.range(0, size), positions[i0:i1] - e0, masks[i0:i1], changed_new[i0:i1], size,
+                _bound(dense, i), op=ops[i], level=level,
+            )  # fmt: skip
+            continue
+        b0, b1 = width * i0, width * i1
+        positions_frame = compress(gap_view[sections[i] : sections[k + i]])
+        xor = xors[i]
+        values_frame = compress((mask_view if xor else news_view)[b0:b1])
+        item = new_item(EncodedItem)  # EncodedItem(...) without the dataclass's __init__: the same instance
+        set_dict(item, "__dict__", {
+            "tensor": names[i], "region": region, "op": ops[i], "count": count,
+            "data": positions_frame + values_frame, "positions_length": len(positions_frame),
+            "pre": hasher(pre_view[b0:b1]).hexdigest(), "post": hasher(post_view[b0:b1]).hexdigest(),
+            "repair": compress(news_view[b0:b1]) if xor else None, "residual": None, "changed": None,
+        })  # fmt: skip
+        items[i] = item
+    return items
+
+
+Pair = tuple[np.ndarray, np.ndarray]
+
+
+def _bound(dense: Callable[[int], Pair], i: int) -> Callable[[], Pair]:
+    return lambda: dense(i)
 
 
 @dataclass

@@ -310,18 +310,63 @@ class Manifest:
                 "items": [it.to_json() for it in self.items],
             }
         elif self.major == 2:
-            index = {name: i for i, name in enumerate(self.tensors)}
-            obj = {
-                **head,
-                "blocks": [[b.id, b.size, b.role] for b in self.blocks],
-                "tensors": [[name, t.dtype, list(t.shape), t.digest] for name, t in self.tensors.items()],
-                "items": [_item_row(it, index[it.tensor]) for it in self.items],
-            }
+            return self._json_text_v2(head)
         else:
             raise ValueError(f"cannot write delta format major {self.major}")
         for key, value in self.extra.items():
             obj.setdefault(key, value)
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+    def _json_text_v2(self, head: dict[str, Any]) -> bytes:
+        """The 2.x document, byte for byte ``json.dumps`` of its object (compact separators, no ASCII
+        escaping), with the tensor table and the items written row by row from templates: an MoE
+        manifest has 100k of each, which the generic encoder takes several microseconds apiece for."""
+        index = {name: i for i, name in enumerate(self.tensors)}
+        if any(type(key) is not str for key in self.extra):  # keys json.dumps would convert: its own way
+            return self._json_text_v2_generic(head, index)
+        dumps = _compact_dumps
+        enc = _encode_string
+        shapes: dict[Any, str] = {}
+        tensor_rows = []
+        for name, t in self.tensors.items():
+            shape = t.shape
+            try:
+                text = shapes.get(shape)
+            except TypeError:  # an unhashable shape (not a tuple of ints): the generic encoder says what it is
+                text = None
+            if text is None:
+                text = dumps(list(shape))
+                if type(shape) is tuple and all(type(d) is int for d in shape):
+                    shapes[shape] = text
+            try:
+                tensor_rows.append(f"[{enc(name)},{enc(t.dtype)},{text},{enc(t.digest)}]")
+            except TypeError:  # a field that is no string: as the generic encoder writes (or refuses) it
+                tensor_rows.append(dumps([name, t.dtype, list(t.shape), t.digest]))
+        obj: dict[str, Any] = {
+            **head,
+            "blocks": [[b.id, b.size, b.role] for b in self.blocks],
+            "tensors": _Rows(tensor_rows),
+            "items": _Rows([_item_text(it, index[it.tensor]) for it in self.items]),
+        }
+        for key, value in self.extra.items():
+            obj.setdefault(key, value)
+        parts = [
+            f"{enc(key)}:{','.join(value).join('[]') if type(value) is _Rows else dumps(value)}"
+            for key, value in obj.items()
+        ]
+        return ("{" + ",".join(parts) + "}").encode("utf-8")
+
+    def _json_text_v2_generic(self, head: dict[str, Any], index: dict[str, int]) -> bytes:
+        """The 2.x document from its object by ``json.dumps`` (what ``_json_text_v2`` writes faster)."""
+        obj: dict[str, Any] = {
+            **head,
+            "blocks": [[b.id, b.size, b.role] for b in self.blocks],
+            "tensors": [[name, t.dtype, list(t.shape), t.digest] for name, t in self.tensors.items()],
+            "items": [_item_row(it, index[it.tensor]) for it in self.items],
+        }
+        for key, value in self.extra.items():
+            obj.setdefault(key, value)
+        return _compact_dumps(obj).encode("utf-8")
 
     def payload_bytes(self) -> int:
         """Bytes a receiver fetches for a normal apply: manifest excluded, repair blocks excluded."""
@@ -331,14 +376,71 @@ class Manifest:
         return sum(b.size for b in self.blocks if b.role == "repair")
 
     def total_elements(self) -> int:
-        return sum(t.numel for t in self.tensors.values())
+        return self._sizes()[0]
 
     def changed_elements(self) -> int:
-        return sum(it.changed_elements for it in self.items)
+        return sum(it.changed if it.changed is not None else it.count for it in self.items)
 
     def full_bytes(self) -> int:
         """Stored size of the whole target model: what a dense refit moves."""
-        return sum(t.nbytes for t in self.tensors.values())
+        return self._sizes()[1]
+
+    def _sizes(self) -> tuple[int, int]:
+        """(elements, stored bytes) of the tensor table, each (dtype, shape) sized once (an MoE table
+        repeats a few of them 100k times)."""
+        sizes: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
+        elements = nbytes = 0
+        for t in self.tensors.values():
+            try:
+                known = sizes.get((t.dtype, t.shape))
+            except TypeError:  # an unhashable shape (a damaged record): sized as before, not remembered
+                known = (t.numel, t.nbytes)
+            if known is None:
+                known = sizes[(t.dtype, t.shape)] = (t.numel, t.nbytes)
+            elements += known[0]
+            nbytes += known[1]
+        return elements, nbytes
+
+
+class _Rows(list):  # type: ignore[type-arg]
+    """Rows already written as JSON text (``Manifest._json_text_v2``)."""
+
+
+def _compact_dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+_encode_string = json.encoder.encode_basestring  # type: ignore[attr-defined]  # what json.dumps uses for str (no ASCII escaping)
+
+
+def _item_text(it: Item, tensor: int) -> str:
+    """``_compact_dumps(_item_row(it, tensor))``: from a template where every field has its usual type."""
+    r, d, rp = it.region, it.data, it.repair
+    if (
+        r.offsets is not None
+        or it.residual is not None
+        or it.changed is not None
+        or type(r.start) is not int
+        or type(r.stop) is not int
+        or type(it.count) is not int
+        or type(d.block) is not int
+        or type(d.offset) is not int
+        or type(d.length) is not int
+        or type(it.positions_length) is not int
+        or type(tensor) is not int
+        or (rp is not None and not (type(rp.block) is type(rp.offset) is type(rp.length) is int))
+    ):
+        return _compact_dumps(_item_row(it, tensor))
+    enc = _encode_string
+    try:
+        repair = "null" if rp is None else f"[{rp.block},{rp.offset},{rp.length},{enc(rp.digest)}]"
+        return (
+            f"[{tensor},{enc(it.op)},{it.count},[{r.start},{r.stop}],"
+            f"[{d.block},{d.offset},{d.length},{it.positions_length},{enc(d.digest)}],{repair},"
+            f"{enc(it.pre)},{enc(it.post)}]"
+        )
+    except TypeError:  # a field that is no string: as the generic encoder writes (or refuses) it
+        return _compact_dumps(_item_row(it, tensor))
 
 
 def _item_row(it: Item, tensor: int) -> list[Any]:
@@ -914,3 +1016,11 @@ def _is_int(v: Any) -> TypeGuard[int]:
 
 def _int_list(v: Any) -> TypeGuard[list[int]]:
     return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+def make_section(block: int, offset: int, length: int, digest: str) -> Section:
+    """``Section(...)`` of fields already known good (a writer's), without the frozen dataclass's
+    ``__init__``: the same instance, as ``make_item`` makes items (a writer places 100k sections)."""
+    section = _new_object(Section)
+    object.__setattr__(section, "__dict__", {"block": block, "offset": offset, "length": length, "digest": digest})
+    return section

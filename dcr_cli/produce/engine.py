@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import blake3
 import numpy as np
@@ -25,7 +25,7 @@ from ..checkpoints.shards import BAND_BYTES, RESIDUAL_BAND_BYTES, Chunk, ShardCh
 from ..delta.summary import DiffSummary, summarize
 from ..delta.writer import DeltaWriter
 from ..errors import IncompatibleError
-from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, digest_small, encode_changes
+from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, digest_small, encode_changes, encode_span
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.dtypes import numel, uint_of
 from ..format.kernels import scan_changes
@@ -109,6 +109,10 @@ class HfSide:
         loc = self.ckpt.tensors[name]
         if loc.nbytes:
             release_pages(self.ckpt._map(loc.file), loc.start, loc.nbytes)
+
+    def release_span(self, name: str, start: int, nbytes: int) -> None:
+        """``release_tensor`` of the bytes [start, start + nbytes) of ``name``'s file (a span of neighbours)."""
+        release_pages(self.ckpt._map(self.ckpt.tensors[name].file), start, nbytes)
 
     def release_tensors(self, names: Sequence[str]) -> None:
         """``release_tensor`` of a batch of small tensors: one unmap per file over the span they cover
@@ -387,7 +391,7 @@ def execute(
             yield item
 
     def span_run(
-        run: list[tuple[str, RangeUnit]], b_lo: int, n_lo: int, count: int
+        run: list[tuple[str, RangeUnit]], b_lo: int, n_lo: int, count: int, b_starts: list[int]
     ) -> Iterator[tuple[str, EncodedItem | None]]:
         """Neighbouring small tensors laid out alike in both files: one scan over their span, its changes
         cut at the tensors' bounds; each tensor's item is exactly the one its own scan gives."""
@@ -395,40 +399,46 @@ def execute(
         b_span, n_span = base.span(first, b_lo, count), new.span(first, n_lo, count)  # type: ignore[attr-defined]
         positions, masks, news = scan_changes(b_span, n_span)
         itemsize = b_span.dtype.itemsize
-        starts = [(base.location(name).start - b_lo) // itemsize for name, _ in run]  # type: ignore[attr-defined]
+        names = [name for name, _ in run]
+        starts = [(start - b_lo) // itemsize for start in b_starts]  # the tensors' byte starts in the base file
         ends = [start + u.stop for start, (_, u) in zip(starts, run, strict=True)]
         cuts = np.searchsorted(positions, starts + ends).tolist()
-        k = len(run)
-        for i, (name, u) in enumerate(run):
-            e0, e1, i0, i1 = starts[i], ends[i], cuts[i], cuts[k + i]
-            b, n = b_span[e0:e1], n_span[e0:e1]
-            item = encode_changes(
-                name, Region.range(0, u.stop), positions[i0:i1] - e0, masks[i0:i1], news[i0:i1], u.stop,
-                _const(b, n), op=u.op, level=level,
-            )  # fmt: skip
-            if name not in b_digests:
-                b_digests[name] = digest_small(b)
-            if name not in n_digests:
-                n_digests[name] = digest_small(n)
-            if progress:
-                progress(u.stop * u.itemsize)
-            yield name, item
+
+        def dense(i: int) -> tuple[np.ndarray, np.ndarray]:
+            return b_span[starts[i] : ends[i]], n_span[starts[i] : ends[i]]
+
+        ops = [u.op for _, u in run]
+        items = encode_span(names, ops, starts, ends, cuts, positions, masks, news, dense, level=level)
+        hasher = blake3.blake3
+        for digests, span in ((b_digests, b_span), (n_digests, n_span)):
+            raw: memoryview | None = None
+            for name, e0, e1 in zip(names, starts, ends, strict=True):
+                if name not in digests:  # digest_bytes of the tensor's bytes, one BLAKE3 call each
+                    if raw is None:
+                        raw = memoryview(span.view(np.uint8))
+                    digests[name] = hasher(raw[e0 * itemsize : e1 * itemsize]).hexdigest()
+        if progress:
+            progress(sum(u.stop for _, u in run) * itemsize)
+        return zip(names, items, strict=True)
 
     Run = list[tuple[str, RangeUnit]]
 
-    def spans_of(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[tuple[Run, int, int, int]]:
+    def spans_of(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[tuple[Run, int, int, int, list[int]]]:
         """The batch, in base file order, cut into runs for ``span_run``: whole-tensor ranges of one width
         that follow each other in one file of each side, at the same distances on both sides, with
-        little else between them. (run, base start, new start, elements); a run of one is scanned alone."""
+        little else between them. (run, base start, new start, elements, the run's tensors' base starts);
+        a run of one is scanned alone."""
         run: list[tuple[str, RangeUnit]] = []
+        b_starts: list[int] = []  # byte starts in the base file of the run's tensors
         b_lo = n_lo = b_end = 0
         file_b = file_n = None
         width = 0
-        located = [(base.location(name), name, ranges) for name, ranges in batch]  # type: ignore[attr-defined]
+        b_loc, n_loc = base.location, new.location  # type: ignore[attr-defined]
+        located = [(b_loc(name), name, ranges[0]) for name, ranges in batch]
         located.sort(key=lambda x: (str(x[0].file), x[0].start))
-        for lb, name, ranges in located:
-            (u,) = ranges
-            ln = new.location(name)  # type: ignore[attr-defined]
+        for lb, name, u in located:
+            ln = n_loc(name)
+            start = lb.start
             nbytes = u.stop * u.itemsize
             whole = u.start == 0 and lb.nbytes == nbytes == ln.nbytes and nbytes > 0
             fits = (
@@ -437,43 +447,54 @@ def execute(
                 and u.itemsize == width
                 and lb.file is file_b
                 and ln.file is file_n
-                and lb.start >= b_end
-                and lb.start - b_lo == ln.start - n_lo
-                and (lb.start - b_lo) % width == 0
-                and lb.start - b_end <= SPAN_GAP_BYTES
-                and lb.start + nbytes - b_lo <= SPAN_BYTES
+                and start >= b_end
+                and start - b_lo == ln.start - n_lo
+                and (start - b_lo) % width == 0
+                and start - b_end <= SPAN_GAP_BYTES
+                and start + nbytes - b_lo <= SPAN_BYTES
             )
             if not fits:
                 if run:
-                    yield run, b_lo, n_lo, (b_end - b_lo) // width
-                run = []
+                    yield run, b_lo, n_lo, (b_end - b_lo) // width, b_starts
+                run, b_starts = [], []
                 if not whole:
-                    yield [(name, u)], -1, -1, 0  # not a whole tensor as one range: alone
+                    yield [(name, u)], -1, -1, 0, []  # not a whole tensor as one range: alone
                     continue
-                b_lo, n_lo, width, file_b, file_n = lb.start, ln.start, u.itemsize, lb.file, ln.file
+                b_lo, n_lo, width, file_b, file_n = start, ln.start, u.itemsize, lb.file, ln.file
             run.append((name, u))
-            b_end = lb.start + nbytes  # (the new side's run ends at the same distance from its start)
+            b_starts.append(start)
+            b_end = start + nbytes  # (the new side's run ends at the same distance from its start)
         if run:
-            yield run, b_lo, n_lo, (b_end - b_lo) // width
+            yield run, b_lo, n_lo, (b_end - b_lo) // width, b_starts
 
     def batch_task(batch: list[tuple[str, list[RangeUnit]]]) -> Iterator[EncodedItem]:
         """Consecutive small tensors, one after the other in one task (see SMALL_TENSOR_BYTES)."""
         if hasattr(base, "span") and hasattr(new, "span"):
             # Scanned in file order, emitted in plan order (the items of a batch are a few KiB each).
             found: dict[str, EncodedItem | None] = {}
-            for run, b_lo, n_lo, count in spans_of(batch):
+            alone: list[str] = []  # tensors scanned alone; the runs' spans are released whole
+            spans: list[tuple[str, int, int, int]] = []  # (first tensor, base start, new start, bytes)
+            for run, b_lo, n_lo, count, b_starts in spans_of(batch):
                 if len(run) > 1:
-                    found.update(span_run(run, b_lo, n_lo, count))
+                    found.update(span_run(run, b_lo, n_lo, count, b_starts))
+                    spans.append((run[0][0], b_lo, n_lo, count * run[0][1].itemsize))
                 else:
                     name, u = run[0]
                     found[name] = next(iter(small_tensor(name, [u])), None)
+                    alone.append(name)
             for name, _ in batch:
                 item = found[name]
                 if item is not None:
                     yield item
-        else:
-            for name, ranges in batch:
-                yield from small_tensor(name, ranges)
+            for first, b_lo, n_lo, nbytes in spans:
+                base.release_span(first, b_lo, nbytes)  # type: ignore[attr-defined]
+                new.release_span(first, n_lo, nbytes)  # type: ignore[attr-defined]
+            if alone:
+                base.release_tensors(alone)  # type: ignore[attr-defined]
+                new.release_tensors(alone)  # type: ignore[attr-defined]
+            return
+        for name, ranges in batch:
+            yield from small_tensor(name, ranges)
         release = getattr(base, "release_tensors", None)
         if release is not None:
             names = [name for name, _ in batch]
@@ -579,19 +600,25 @@ def execute(
 
     def tasks() -> Iterator[tuple[int, Callable[[], Iterable[EncodedItem]]]]:
         units = plan.units
+        n_units = len(units)
         # A tensor larger than a worker's share is hashed apart, by BLAKE3's own threads.
         share = plan.total_bytes // max(1, workers)
         batch: list[tuple[str, list[RangeUnit]]] = []
         batch_bytes = 0
         i = 0
-        while i < len(units):
+        while i < n_units:
             u = units[i]
             if isinstance(u, DigestUnit) and fused:
                 j = i + 1
-                while j < len(units) and isinstance(units[j], RangeUnit) and units[j].name == u.name:  # type: ignore[union-attr]
+                while j < n_units and isinstance(units[j], RangeUnit) and units[j].name == u.name:  # type: ignore[union-attr]
                     j += 1
-                ranges = [r for r in units[i + 1 : j] if isinstance(r, RangeUnit)]
-                nbytes = sum((r.stop - r.start) * r.itemsize for r in ranges)
+                if j == i + 2:  # one range: a small tensor, usually
+                    r = cast(RangeUnit, units[i + 1])
+                    ranges = [r]
+                    nbytes = (r.stop - r.start) * r.itemsize
+                else:
+                    ranges = cast(list[RangeUnit], units[i + 1 : j])
+                    nbytes = sum((r.stop - r.start) * r.itemsize for r in ranges)
                 if len(ranges) == 1 and nbytes <= SMALL_TENSOR_BYTES:
                     batch.append((u.name, ranges))
                     batch_bytes += nbytes

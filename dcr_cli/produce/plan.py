@@ -136,6 +136,25 @@ def check_layouts(base: Layout, new: Layout) -> None:
         raise IncompatibleError(f"checkpoints differ in layout: {mismatch}; dcr deltas need identical tensor sets")
 
 
+_new_object = object.__new__
+_set_dict = object.__setattr__
+
+
+def digest_unit(name: str) -> DigestUnit:
+    """``DigestUnit(name)`` without the frozen dataclass's ``__init__`` (the same instance; a plan of an
+    MoE checkpoint makes 100k of them)."""
+    unit = _new_object(DigestUnit)
+    _set_dict(unit, "__dict__", {"name": name})
+    return unit
+
+
+def range_unit(name: str, start: int, stop: int, op: Op, itemsize: int) -> RangeUnit:
+    """``RangeUnit(...)`` without the frozen dataclass's ``__init__`` (the same instance)."""
+    unit = _new_object(RangeUnit)
+    _set_dict(unit, "__dict__", {"name": name, "start": start, "stop": stop, "op": op, "itemsize": itemsize})
+    return unit
+
+
 def plan_tensors(layout: Layout, overwrite: Sequence[str] = ()) -> Plan:
     """The identity plan (HF directories, plain tensors): per tensor, its digest and CHUNK_BYTES ranges."""
     op_of = op_selector(overwrite)
@@ -148,12 +167,12 @@ def plan_tensors(layout: Layout, overwrite: Sequence[str] = ()) -> Plan:
         itemsize = itemsizes.get(dt)
         if itemsize is None:
             itemsize = itemsizes[dt] = lookup_dtype(dt).itemsize
-        append(DigestUnit(name))
+        append(digest_unit(name))
         op: Op = op_of(name) if overwrite else "xor"
         size = numel(shape)
         if size * itemsize <= CHUNK_BYTES:  # one range, as chunk_ranges gives it (none when empty)
             if size:
-                append(RangeUnit(name, 0, size, op, itemsize))
+                append(range_unit(name, 0, size, op, itemsize))
         else:
             units.extend(RangeUnit(name, s, e, op, itemsize) for s, e in chunk_ranges(size, itemsize))
     return Plan(units, layout, names)
