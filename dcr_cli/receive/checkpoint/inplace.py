@@ -152,6 +152,18 @@ class InPlaceFiles:
             _read_into(self._fd(loc.file), loc.start + start * uint.itemsize, _bytes(out), name)
         return out
 
+    def read_at(self, file: Path, offset: int, out: memoryview, what: str) -> None:
+        """Bytes of ``file`` from ``offset`` into ``out`` (a batch's stretch of the file; ``what`` names it)."""
+        _read_into(self._fd(file), offset, out, what)
+
+    def write_at(self, file: Path, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset`` of ``file`` (a span inside the regions of the items being written)."""
+        fd = self._fd(file)
+        if file not in self._written:
+            with self._lock:
+                self._written.add(file)
+        _write_values(fd, offset, data)
+
     def gather(self, name: str, index: np.ndarray | slice, runs: list[Run]) -> np.ndarray:
         """Current values at ``index`` (sorted canonical indices, or a contiguous slice)."""
         if isinstance(index, slice):
