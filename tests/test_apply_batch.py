@@ -213,3 +213,21 @@ def test_an_item_off_its_pre_image_in_a_batch_fails_as_item_by_item(tmp_path: Pa
         assert snapshot(recv) == before  # nothing written
         assert seen["taken"] == 0 and seen["declined"] > 0  # the batch declined; the per-item path refused
     assert errors[0] == errors[1]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pair=sparse_pairs(), shards=st.integers(1, 3), batch_bytes=st.sampled_from([64, 1000, 4 << 20]))
+def test_small_tensors_digested_in_file_order_have_their_own_digests(
+    tmp_path_factory: pytest.TempPathFactory, pair: tuple[dict, dict], shards: int, batch_bytes: int
+) -> None:
+    from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
+    from dcr_cli.format.digest import digest_bytes
+    from dcr_cli.receive.checkpoint import inplace
+
+    root = write_checkpoint(tmp_path_factory.mktemp("digests") / "c", pair[0], shards=shards)
+    with SafetensorsCheckpoint(root) as ckpt, inplace.InPlaceFiles(dict(ckpt.tensors)) as files:
+        with settings_of(inplace, BATCH_BYTES=batch_bytes, READ_GAP_BYTES=batch_bytes // 8):
+            table = inplace.digest_tensors(files, 2)
+        expected = {n: digest_bytes(files.read(n, 0, loc.numel)) for n, loc in files.locations.items()}
+    assert {n: t.digest for n, t in table.items()} == expected
+    assert set(table) == set(pair[0])

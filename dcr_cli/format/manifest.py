@@ -639,8 +639,62 @@ def _items_v2(
     digests: list[Any] = []  # pre and post of every item, in order
     sections: list[Any] = []  # section digests
     regions: dict[tuple[Any, ...], Region] = {}
+    n_names = len(names)
+    roles = [b.role for b in blocks]
+    sizes = [b.size for b in blocks]
+    n_blocks = len(blocks)
     for index, row in enumerate(rows):
-        item = _item_v2(row, index, names, tensors, blocks, regions)
+        # The common row (a sparse item over a range met before, both sections, no optional members),
+        # checked inline by exactly _item_v2's and _item's rules; any other row, or one that breaks a
+        # rule, is _item_v2's (which says what is wrong).
+        item = None
+        if type(row) is list and len(row) == 8:
+            t, op, count, region_raw, data_raw, repair_raw, pre, post = row
+            if (
+                type(t) is int
+                and 0 <= t < n_names
+                and (op == "xor" or op == "overwrite")
+                and type(region_raw) is list
+                and len(region_raw) == 2
+                and type(data_raw) is list
+                and len(data_raw) == 5
+                and type(repair_raw) is list
+                and len(repair_raw) == 4
+            ):
+                name = names[t]
+                a, b = region_raw
+                region = regions.get((a, b, tensors[name].shape)) if type(a) is int and type(b) is int else None
+                db, do, dl, pl, dd = data_raw
+                rb, ro, rl, rd = repair_raw
+                if (
+                    region is not None
+                    and type(count) is int
+                    and 0 <= count <= b - a
+                    and type(db) is int
+                    and type(do) is int
+                    and type(dl) is int
+                    and type(pl) is int
+                    and do >= 0
+                    and 0 <= pl <= dl
+                    and type(rb) is int
+                    and type(ro) is int
+                    and type(rl) is int
+                    and ro >= 0
+                    and rl >= 0
+                    and 0 <= db < n_blocks
+                    and 0 <= rb < n_blocks
+                    and roles[db] == "data"
+                    and roles[rb] == "repair"
+                    and do + dl <= sizes[db]
+                    and ro + rl <= sizes[rb]
+                ):
+                    data = _new_object(Section)
+                    data.__dict__.update(block=db, offset=do, length=dl, digest=dd)
+                    repair = _new_object(Section)
+                    repair.__dict__.update(block=rb, offset=ro, length=rl, digest=rd)
+                    item = make_item(name, region, op, count, data, pl, pre, post, repair, None, None)
+        if item is None:
+            item = _item_v2(row, index, names, tensors, blocks, regions)
         items.append(item)
         digests.append(item.pre)
         digests.append(item.post)

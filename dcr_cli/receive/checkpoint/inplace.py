@@ -236,21 +236,66 @@ BATCH_BYTES = 4 << 20
 BATCH_TENSORS = 512
 
 
+# Unchanged bytes between two small tensors that one read covers rather than split in two.
+READ_GAP_BYTES = 64 << 10
+
+
+def digest_small_tensors(files: InPlaceFiles, names: list[str]) -> list[tuple[str, str]]:
+    """(name, digest) of small tensors given in file order: one pread per stretch of a file that they
+    cover (into this thread's scratch buffer), then one BLAKE3 call per tensor on its slice of it,
+    the same digests as ``InPlaceFiles.digest``."""
+    out: list[tuple[str, str]] = []
+    locations = files.locations
+    n, i = len(names), 0
+    while i < n:
+        first = locations[names[i]]
+        file, start, stop = first.file, first.start, first.start + first.nbytes
+        j = i + 1
+        while j < n:
+            loc = locations[names[j]]
+            end = loc.start + loc.nbytes
+            if (
+                (loc.file is not file and loc.file != file)
+                or loc.start < start
+                or loc.start - stop > READ_GAP_BYTES
+                or end - start > BATCH_BYTES
+            ):
+                break
+            stop = max(stop, end)
+            j += 1
+        buf = _scratch(stop - start)[: stop - start]
+        view = buf.data
+        if stop > start:
+            _read_into(files._fd(file), start, view, names[i])
+        for k in range(i, j):
+            loc = locations[names[k]]
+            a = loc.start - start
+            out.append((names[k], blake3.blake3(view[a : a + loc.nbytes]).hexdigest()))
+        i = j
+    return out
+
+
 def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
-    """The tensor table of ``names`` (default: every tensor), hashed on the pool, largest tensors first."""
+    """The tensor table of ``names`` (default: every tensor), hashed on the pool, largest tensors first;
+    the small ones in file order, in batches (``digest_small_tensors``)."""
     locations = files.locations
     chosen = sorted(locations if names is None else names, key=lambda n: -locations[n].nbytes)
+    file_ids: dict[Path, int] = {}
 
     def batches() -> Iterable[tuple[list[str], bool]]:
-        batch: list[str] = []
-        nbytes = 0
+        small: list[str] = []
         for name in chosen:
             size = locations[name].nbytes
             if size > SMALL_TENSOR_BYTES:
                 yield [name], False
-                continue
+            else:
+                small.append(name)
+        small.sort(key=lambda n: (file_ids.setdefault(locations[n].file, len(file_ids)), locations[n].start))
+        batch: list[str] = []
+        nbytes = 0
+        for name in small:
             batch.append(name)
-            nbytes += size
+            nbytes += locations[name].nbytes
             if nbytes >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
                 yield batch, True
                 batch, nbytes = [], 0
@@ -259,6 +304,8 @@ def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | Non
 
     def task(batch: list[str], small: bool) -> Callable[[], list[tuple[str, str]]]:
         def run() -> list[tuple[str, str]]:
+            if small:
+                return digest_small_tensors(files, batch)
             return [(name, files.digest(name)) for name in batch]
 
         # A batch of small tensors holds the GIL throughout: it runs on this thread (see pool.Inline).
