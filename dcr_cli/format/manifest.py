@@ -579,7 +579,7 @@ def _tensors_v2(rows: list[Any]) -> tuple[dict[str, TensorEntry], list[str]]:
             key = (dt, tuple(shape))
             checked = layouts.get(key)
             if checked is not None:
-                tensors[name] = TensorEntry(dt, checked, digest)  # its digest is checked below, with all
+                tensors[name] = make_entry(dt, checked, digest)  # its digest is checked below, with all
                 names.append(name)
                 continue
         entry = _tensor(name, dt, shape, digest)
@@ -895,6 +895,14 @@ def make_item(
         pre=pre, post=post, repair=repair, residual=residual, changed=changed,
     )  # fmt: skip
     return item
+
+
+def make_entry(dtype: str, shape: tuple[int, ...], digest: str) -> TensorEntry:
+    """``TensorEntry(dtype, shape, digest)`` of fields already checked, without the frozen dataclass's
+    ``__init__`` (as ``make_item``): the same instance, for tables of 100k tensors."""
+    entry = _new_object(TensorEntry)
+    entry.__dict__.update(dtype=dtype, shape=shape, digest=digest)
+    return entry
 
 
 def _check_disjoint(items: list[Item]) -> None:

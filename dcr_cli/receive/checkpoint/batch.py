@@ -98,46 +98,40 @@ def prepare_batch(
     if n < MIN_ITEMS:
         return None
     locations = files.locations
-    widths: list[int] = []
-    starts: list[int] = []  # file offset of each region
-    sizes: list[int] = []
-    counts: list[int] = []
-    files_of: list[Path] = []
-    xor: list[bool] = []
+    itemsizes = _ITEMSIZES
+    file_ids: dict[Path, int] = {}
+    last_file: Path | None = None
+    last_id = -1
+    rows: list[tuple[int, int, int, int, int, bool, int, int]] = []
+    sections = []
     for item in items:
         region = item.region
-        op = item.op
-        if region.start is None or op == "replace" or not item.count:
+        start, op, count = region.start, item.op, item.count
+        if start is None or op == "replace" or not count:
             return None
         loc = locations[item.tensor]
-        w = _itemsize(loc.dtype)
-        widths.append(w)
-        starts.append(loc.start + region.start * w)
-        sizes.append(region.stop - region.start)  # type: ignore[operator]
-        counts.append(item.count)
-        files_of.append(loc.file)
-        xor.append(op == "xor")
+        if loc.file is not last_file:
+            last_file = loc.file
+            last_id = file_ids.setdefault(last_file, len(file_ids))
+        w = itemsizes.get(loc.dtype) or _itemsize(loc.dtype)
+        data = item.data
+        # file, file offset of the region, its elements, element width, count, xor, section length, positions
+        size = region.stop - start  # type: ignore[operator]
+        rows.append((last_id, loc.start + start * w, size, w, count, op == "xor", data.length, item.positions_length))
+        sections.append(data)
+    table = np.array(rows, dtype=np.int64)
+    file_of, starts, sizes, widths, counts, xor, lengths, positions_lengths = np.ascontiguousarray(table.T)
     # -- sections: read and digest-checked together, then every frame checked and decoded at once
-    sections = [item.data for item in items]
     blob = delta.read_joined(sections, what)
-    lengths = np.fromiter((s.length for s in sections), dtype=np.int64, count=n)
-    positions_lengths = np.fromiter((item.positions_length for item in items), dtype=np.int64, count=n)
-    at = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=at[1:])
     bounds = np.empty(2 * n + 1, dtype=np.int64)  # frame f is blob[bounds[f]:bounds[f + 1]]
-    bounds[0:-1:2] = at[:-1]
-    bounds[1:-1:2] = at[:-1] + positions_lengths
-    bounds[-1] = at[-1]
-    blob_array = np.frombuffer(blob, dtype=np.uint8)
-    declared, refused = zstd_frames(blob_array, bounds[:-1], bounds[1:])
+    bounds[0] = 0
+    np.cumsum(lengths, out=bounds[2::2])
+    bounds[1:-1:2] = bounds[0:-1:2] + positions_lengths
+    declared, refused = zstd_frames(np.frombuffer(blob, dtype=np.uint8), bounds[:-1], bounds[1:])
     if refused >= 0:
         return None
-    count_array = np.array(counts, dtype=np.int64)
-    width_array = np.array(widths, dtype=np.int64)
     gaps_len, values_len = declared[0::2], declared[1::2]
-    if (gaps_len < count_array).any() or (gaps_len > 5 * count_array).any():
-        return None
-    if (values_len != width_array * count_array).any():
+    if (gaps_len < counts).any() or (gaps_len > 5 * counts).any() or (values_len != widths * counts).any():
         return None
     segments = np.stack([bounds[:-1], bounds[1:] - bounds[:-1]], axis=1).astype(np.uint64)
     try:
@@ -154,43 +148,41 @@ def prepare_batch(
     if raw.shape[0] != out[-1]:
         return None
     # -- the regions, read with one pread per stretch of a file they cover
-    file_ids: dict[Path, int] = {}
-    keys = [(file_ids.setdefault(f, len(file_ids)), s) for f, s in zip(files_of, starts, strict=True)]
-    order = sorted(range(n), key=keys.__getitem__)
-    seg_file: list[Path] = []
+    order = np.lexsort((starts, file_of))
+    ends = starts + sizes * widths
+    paths = list(file_ids)
+    seg_file: list[int] = []
     seg_start: list[int] = []  # file offset
     seg_stop: list[int] = []
-    region_seg = np.empty(n, dtype=np.int64)
-    for k in order:
-        f, s = files_of[k], starts[k]
-        e = s + sizes[k] * widths[k]
+    segment_of: list[int] = []  # in visiting order
+    for f, s, e in zip(file_of[order].tolist(), starts[order].tolist(), ends[order].tolist(), strict=True):
         if seg_file and seg_file[-1] == f and s - seg_stop[-1] <= READ_GAP_BYTES and e - seg_start[-1] <= SEGMENT_BYTES:
-            seg_stop[-1] = max(seg_stop[-1], e)
+            if e > seg_stop[-1]:
+                seg_stop[-1] = e
         else:
             seg_file.append(f)
             seg_start.append(s)
             seg_stop.append(e)
-        region_seg[k] = len(seg_file) - 1
+        segment_of.append(len(seg_file) - 1)
+    region_seg = np.empty(n, dtype=np.int64)
+    region_seg[order] = segment_of
     seg_at = [0]
     for s, e in zip(seg_start, seg_stop, strict=True):
         seg_at.append(seg_at[-1] + e - s)
     buf = np.empty(seg_at[-1], dtype=np.uint8)
     view = buf.data
     for j, f in enumerate(seg_file):
-        files.read_at(f, seg_start[j], view[seg_at[j] : seg_at[j + 1]], items[0].tensor)
-    seg_at_array = np.array(seg_at[:-1], dtype=np.int64)
-    region_at = seg_at_array[region_seg] + np.array(starts, dtype=np.int64) - np.array(seg_start)[region_seg]
+        files.read_at(paths[f], seg_start[j], view[seg_at[j] : seg_at[j + 1]], items[0].tensor)
+    region_at = (np.array(seg_at[:-1], dtype=np.int64) - np.array(seg_start, dtype=np.int64))[region_seg] + starts
     # -- one compiled call: positions, current and new bytes, spans
-    item_bytes = count_array * width_array
     out_at = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(item_bytes, out=out_at[1:])
+    np.cumsum(counts * widths, out=out_at[1:])
     cur = np.empty(out_at[-1], dtype=np.uint8)
     new = np.empty(out_at[-1], dtype=np.uint8)
-    spans = np.empty((int(count_array.sum()), 3), dtype=np.int64)
+    spans = np.empty((int(counts.sum()), 3), dtype=np.int64)
     bad, n_spans = _apply_batch(
-        raw, out[0:-1:2], gaps_len, out[1:-1:2], count_array, width_array, np.array(sizes, dtype=np.int64),
-        region_at, region_seg, np.array(xor, dtype=np.bool_), np.array(order, dtype=np.int64),
-        buf, cur, new, out_at, GAP_BYTES, JOIN_ITEMS, spans,
+        raw, out[0:-1:2], gaps_len, out[1:-1:2], counts, widths, sizes, region_at, region_seg, xor != 0,
+        order.astype(np.int64), buf, cur, new, out_at, GAP_BYTES, JOIN_ITEMS, spans,
     )  # fmt: skip
     if bad >= 0:
         return None
@@ -203,5 +195,5 @@ def prepare_batch(
             return None
         if blake3.blake3(new_view[a:b]).hexdigest() != item.post:
             return None
-    writes = [(seg_file[s], seg_start[s] + a - seg_at[s], a, b) for a, b, s in spans[:n_spans].tolist()]
+    writes = [(paths[seg_file[s]], seg_start[s] + a - seg_at[s], a, b) for a, b, s in spans[:n_spans].tolist()]
     return Batch(lo, lo + n, buf, writes)

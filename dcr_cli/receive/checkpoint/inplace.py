@@ -29,7 +29,7 @@ from ...errors import IntegrityError
 from ...format.codec import small_bytes
 from ...format.digest import StreamingDigest
 from ...format.dtypes import dtype as lookup_dtype
-from ...format.manifest import TensorEntry
+from ...format.manifest import TensorEntry, make_entry
 from ...io.pool import Inline, ordered_parallel
 
 GAP_BYTES = 4096  # unchanged bytes between two written elements that a run rewrites rather than split
@@ -312,4 +312,4 @@ def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | Non
         return Inline(run) if small else run
 
     digests = dict(pair for done in ordered_parallel((task(*b) for b in batches()), workers) for pair in done)
-    return {n: TensorEntry(locations[n].dtype, locations[n].shape, digests[n]) for n in sorted(digests)}
+    return {n: make_entry(locations[n].dtype, locations[n].shape, digests[n]) for n in sorted(digests)}
