@@ -334,12 +334,13 @@ def zstd_frames(blob: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _apply_batch(raw, gaps_at, gaps_len, values_at, counts, widths, sizes, region_at, region_seg, xor, order,
-                 buf, cur, new, out_at, gap_bytes, join, spans):  # fmt: skip  # pragma: no cover - compiled
+                 buf, cur, new, patch_at, out_at, gap_bytes, join, spans):  # fmt: skip  # pragma: no cover - compiled
     # Items of one batch, each a flat region of ``sizes[k]`` elements of ``widths[k]`` bytes that
     # starts at buf[region_at[k]]: decode its escaped gaps (raw[gaps_at[k]:+gaps_len[k]], delta-v1 §6.1)
     # and its byte planes (raw[values_at[k]:], §6.2); copy each affected element's current bytes to
     # cur and its new bytes (current XOR mask, or the absolute value) to new, at out_at[k] on, in
-    # position order (what the item's pre and post digests cover); write the new bytes into buf.
+    # position order (what the item's pre and post digests cover), and where each new byte goes in buf
+    # to patch_at (buf itself is left as read: a writer reads it again and patches it).
     # Visiting the items in ``order`` (by region), it records the spans of buf to write: cut where
     # more than gap_bytes lie unchanged between two elements and wherever the next region does not
     # start where the last one ended in the same segment (a span lies inside the batch's regions);
@@ -397,9 +398,8 @@ def _apply_batch(raw, gaps_at, gaps_len, values_at, counts, widths, sizes, regio
                 now = buf[b + j]
                 plane = raw[v + j * c + t]
                 cur[o + t * w + j] = now
-                nb = now ^ plane if is_xor else plane
-                new[o + t * w + j] = nb
-                buf[b + j] = nb
+                new[o + t * w + j] = now ^ plane if is_xor else plane
+                patch_at[o + t * w + j] = b + j
             if lo >= 0 and b - hi <= gap_bytes:
                 hi = b + w
             else:

@@ -287,7 +287,7 @@ def first_pass(delta: Delta, files: InPlaceFiles, resuming: bool, workers: int) 
             if kept + nbytes <= PREPARED_BYTES:
                 kept += nbytes
             else:
-                together.buf = None
+                together.drop()
             out.extend(batch)
             continue
         for prepared in batch:
@@ -334,7 +334,7 @@ def write_items(
     def run_together(lo: int, hi: int, together: Batch) -> list[Prepared] | None:
         """A batch prepared as one (batch.py), prepared again if it was dropped; None: item by item."""
         try:
-            if together.buf is None:
+            if together.new is None:
                 again = prepare_batch(
                     delta, items[lo:hi], lo, files, lambda i: f"{items[lo + i].tensor} {items[lo + i].region.to_json()}"
                 )

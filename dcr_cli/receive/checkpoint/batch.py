@@ -19,7 +19,8 @@ makes ``prepare_batch`` return None, and the caller takes the per-item path, whi
 outcome (done, torn) or the error with its usual message. So this path changes the cost only:
 what it accepts, the per-item path accepts with the same new bytes. Writes are whole spans of the
 batch's buffer: each lies inside the regions of the batch's items (regions that follow each other
-in one file), so no other item's elements are rewritten.
+in one file), so no other item's elements are rewritten. The bytes are not held from the first pass
+to the writes: only the new bytes and where they go; the writer reads the stretches again.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ...format.codec import _decompressor
 from ...format.dtypes import dtype as lookup_dtype
 from ...format.kernels import _apply_batch, zstd_frames
 from ...format.manifest import Item
-from .inplace import GAP_BYTES, InPlaceFiles
+from .inplace import GAP_BYTES, InPlaceFiles, scratch
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -66,22 +67,35 @@ def _itemsize(name: str) -> int:
 
 @dataclass(slots=True)
 class Batch:
-    """What a batch writes: ``buf`` holds its regions' segments with the new values in place
-    (None once dropped to save memory: prepared again when written), ``writes`` the spans of it."""
+    """What a batch writes: its regions' stretches of the files (``segments``), read again when written
+    and patched (the new bytes ``new`` at offsets ``patch_at`` of the stretches read one after another),
+    then written in the spans ``writes`` of them. ``new`` is None once dropped to save memory: the
+    batch is prepared again when written. Nothing of the files' bytes is held in between (a fresh
+    buffer per batch would cost more in page faults than the read)."""
 
     lo: int  # the items [lo, hi) of the manifest
     hi: int
-    buf: np.ndarray | None
+    segments: list[tuple[Path, int, int, int]]  # (file, offset in the file, buf start, buf stop)
+    patch_at: np.ndarray | None
+    new: np.ndarray | None
     writes: list[tuple[Path, int, int, int]]  # (file, offset in the file, buf start, buf stop)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.buf is None else int(self.buf.nbytes)
+        return 0 if self.new is None or self.patch_at is None else int(self.new.nbytes + self.patch_at.nbytes)
+
+    def drop(self) -> None:
+        self.new = self.patch_at = None
 
     def write(self, files: InPlaceFiles, stop: Callable[[], bool]) -> None:
-        """pwrite every span; ``stop()`` is asked before each (a failed write elsewhere cancels the rest)."""
-        assert self.buf is not None
-        view = self.buf.data
+        """Read the stretches again, patch them, pwrite every span; ``stop()`` is asked before each write
+        (a failed write elsewhere cancels the rest)."""
+        assert self.new is not None and self.patch_at is not None
+        buf = scratch(self.segments[-1][3])
+        view = buf.data
+        for file, offset, a, b in self.segments:
+            files.read_at(file, offset, view[a:b], str(file))
+        buf[self.patch_at] = self.new
         for file, offset, a, b in self.writes:
             if stop():
                 return
@@ -133,10 +147,10 @@ def prepare_batch(
     gaps_len, values_len = declared[0::2], declared[1::2]
     if (gaps_len < counts).any() or (gaps_len > 5 * counts).any() or (values_len != widths * counts).any():
         return None
-    segments = np.stack([bounds[:-1], bounds[1:] - bounds[:-1]], axis=1).astype(np.uint64)
+    frame_spans = np.stack([bounds[:-1], bounds[1:] - bounds[:-1]], axis=1).astype(np.uint64)
     try:
         frames = _decompressor().multi_decompress_to_buffer(
-            zstandard.BufferWithSegments(blob, segments.tobytes()),
+            zstandard.BufferWithSegments(blob, frame_spans.tobytes()),
             decompressed_sizes=declared.astype(np.uint64).tobytes(),
             threads=1,
         )
@@ -169,7 +183,7 @@ def prepare_batch(
     seg_at = [0]
     for s, e in zip(seg_start, seg_stop, strict=True):
         seg_at.append(seg_at[-1] + e - s)
-    buf = np.empty(seg_at[-1], dtype=np.uint8)
+    buf = scratch(seg_at[-1])  # this thread's read buffer (nothing else reads into it meanwhile)
     view = buf.data
     for j, f in enumerate(seg_file):
         files.read_at(paths[f], seg_start[j], view[seg_at[j] : seg_at[j + 1]], items[0].tensor)
@@ -179,10 +193,11 @@ def prepare_batch(
     np.cumsum(counts * widths, out=out_at[1:])
     cur = np.empty(out_at[-1], dtype=np.uint8)
     new = np.empty(out_at[-1], dtype=np.uint8)
+    patch_at = np.empty(out_at[-1], dtype=np.int64)
     spans = np.empty((int(counts.sum()), 3), dtype=np.int64)
     bad, n_spans = _apply_batch(
         raw, out[0:-1:2], gaps_len, out[1:-1:2], counts, widths, sizes, region_at, region_seg, xor != 0,
-        order.astype(np.int64), buf, cur, new, out_at, GAP_BYTES, JOIN_ITEMS, spans,
+        order.astype(np.int64), buf, cur, new, patch_at, out_at, GAP_BYTES, JOIN_ITEMS, spans,
     )  # fmt: skip
     if bad >= 0:
         return None
@@ -196,4 +211,5 @@ def prepare_batch(
         if blake3.blake3(new_view[a:b]).hexdigest() != item.post:
             return None
     writes = [(paths[seg_file[s]], seg_start[s] + a - seg_at[s], a, b) for a, b, s in spans[:n_spans].tolist()]
-    return Batch(lo, lo + n, buf, writes)
+    segments = [(paths[f], seg_start[j], seg_at[j], seg_at[j + 1]) for j, f in enumerate(seg_file)]
+    return Batch(lo, lo + n, segments, patch_at, new, writes)

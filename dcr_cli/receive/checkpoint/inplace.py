@@ -48,6 +48,11 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf
 
 
+def scratch(nbytes: int) -> np.ndarray:
+    """This thread's read buffer as ``nbytes`` bytes (valid until its next scratch read)."""
+    return _scratch(nbytes)[:nbytes]
+
+
 # Up to this many bytes, a digest is one single-threaded BLAKE3 call (digest_bytes' own threshold
 # for its thread pool is larger): the same digest, without the wrapper's conversions.
 SMALL_DIGEST_BYTES = 1 << 20
