@@ -268,3 +268,29 @@ def test_a_write_cut_short_inside_a_joined_span_resumes_bit_exact(
     assert step.status == "resumed" and step.done > 0 and step.repaired <= 1
     assert step.done + step.applied + step.repaired == len(t0)
     assert read_raw(recv) == read_raw(new)
+
+
+def test_verify_reports_the_fingerprint_of_what_it_hashed(tmp_path: Path) -> None:
+    """verify takes the expected fingerprint for the computed one only where the tables are equal."""
+    from dcr_cli.checkpoints.safetensors_dir import SafetensorsCheckpoint
+    from dcr_cli.format.manifest import fingerprint
+    from dcr_cli.receive.checkpoint import inplace
+
+    rng = np.random.default_rng(4)
+    t0 = {f"e{i:02d}": ("F16", (30,), rng.integers(0, 1 << 16, 30, dtype=np.uint16)) for i in range(20)}
+    t1 = {n: (dt, s, a ^ np.uint16(1)) for n, (dt, s, a) in t0.items()}
+    base, new = write_checkpoint(tmp_path / "v0", t0), write_checkpoint(tmp_path / "v1", t1)
+    diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
+
+    def hashed(root: Path) -> str:
+        with SafetensorsCheckpoint(root) as ckpt, inplace.InPlaceFiles(dict(ckpt.tensors)) as files:
+            return fingerprint(inplace.digest_tensors(files, 1))
+
+    ok = dcr_cli.verify(new, against=tmp_path / "d")
+    assert ok.ok and ok.computed_fingerprint == ok.expected_fingerprint == hashed(new)
+    assert ok.expected_fingerprint == Delta.open(tmp_path / "d").manifest.target.fingerprint
+    bad = dcr_cli.verify(base, against=tmp_path / "d")
+    assert not bad.ok and bad.computed_fingerprint == hashed(base) != bad.expected_fingerprint
+    dcr_cli.apply(tmp_path / "d", into=copy_checkpoint(base, tmp_path / "recv"))
+    recorded = dcr_cli.verify(tmp_path / "recv")  # against the table the apply recorded
+    assert recorded.ok and recorded.computed_fingerprint == hashed(tmp_path / "recv") == ok.expected_fingerprint
