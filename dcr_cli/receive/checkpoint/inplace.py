@@ -284,21 +284,24 @@ def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | Non
     """The tensor table of ``names`` (default: every tensor), hashed on the pool, largest tensors first;
     the small ones in file order, in batches (``digest_small_tensors``)."""
     locations = files.locations
-    chosen = sorted(locations if names is None else names, key=lambda n: -locations[n].nbytes)
+    big: list[tuple[int, str]] = []
+    small: list[tuple[int, int, str]] = []  # (file, offset, name): file order
     file_ids: dict[Path, int] = {}
+    for name in locations if names is None else names:
+        loc = locations[name]
+        if loc.nbytes > SMALL_TENSOR_BYTES:
+            big.append((-loc.nbytes, name))
+        else:
+            small.append((file_ids.setdefault(loc.file, len(file_ids)), loc.start, name))
+    big.sort()
+    small.sort()
 
     def batches() -> Iterable[tuple[list[str], bool]]:
-        small: list[str] = []
-        for name in chosen:
-            size = locations[name].nbytes
-            if size > SMALL_TENSOR_BYTES:
-                yield [name], False
-            else:
-                small.append(name)
-        small.sort(key=lambda n: (file_ids.setdefault(locations[n].file, len(file_ids)), locations[n].start))
+        for _, name in big:
+            yield [name], False
         batch: list[str] = []
         nbytes = 0
-        for name in small:
+        for _, _, name in small:
             batch.append(name)
             nbytes += locations[name].nbytes
             if nbytes >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
