@@ -72,7 +72,7 @@ def counting_batches() -> Iterator[dict[str, int]]:
 @st.composite
 def sparse_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
     """Two versions of 4..24 small tensors of mixed widths; a few elements of each changed to random or special bits."""
-    n = draw(st.integers(4, 24))
+    n = draw(st.integers(4, 40))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     t0, t1 = {}, {}
@@ -95,19 +95,33 @@ def sparse_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
     return t0, t1
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    pair=sparse_pairs(), items=st.integers(2, 9), cover=st.sampled_from([700, 2000, 1 << 18]), shards=st.integers(1, 3)
+    pair=sparse_pairs(),
+    items=st.integers(2, 40),
+    cover=st.sampled_from([700, 2000, 1 << 18]),
+    shards=st.integers(1, 3),
+    stretch=st.sampled_from([(0, 64), (100, 600), (64 << 10, 8 << 20)]),
 )
 def test_batches_write_the_bytes_of_the_per_item_path(
-    tmp_path_factory: pytest.TempPathFactory, pair: tuple[dict, dict], items: int, cover: int, shards: int
+    tmp_path_factory: pytest.TempPathFactory,
+    pair: tuple[dict, dict],
+    items: int,
+    cover: int,
+    shards: int,
+    stretch: tuple[int, int],
 ) -> None:
     tmp = tmp_path_factory.mktemp("batch")
     t0, t1 = pair
     base, new = write_checkpoint(tmp / "v0", t0, shards=shards), write_checkpoint(tmp / "v1", t1, shards=shards)
     diff(base, new, tmp / "d", base_version="v0", target_version="v1", workers=1)
     assert {it.op for it in Delta.open(tmp / "d").manifest.items} <= {"xor", "replace"}
-    with settings_of(applier, BATCH_ITEMS=items, BATCH_COVER=cover), counting_batches() as seen:
+    gap, longest = stretch  # how the batch's regions are cut into reads
+    with (
+        settings_of(applier, BATCH_ITEMS=items, BATCH_COVER=cover),
+        settings_of(batch, READ_GAP_BYTES=gap, SEGMENT_BYTES=longest),
+        counting_batches() as seen,
+    ):
         batched = dcr_cli.apply(tmp / "d", into=copy_checkpoint(base, tmp / "batched"), workers=2)
     with settings_of(batch, MIN_ITEMS=1 << 30), counting_batches() as none:
         one_by_one = dcr_cli.apply(tmp / "d", into=copy_checkpoint(base, tmp / "items"), workers=2)

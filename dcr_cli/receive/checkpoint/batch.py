@@ -171,7 +171,13 @@ def prepare_batch(
     seg_stop: list[int] = []
     segment_of: list[int] = []  # in visiting order
     for f, s, e in zip(file_of[order].tolist(), starts[order].tolist(), ends[order].tolist(), strict=True):
-        if seg_file and seg_file[-1] == f and s - seg_stop[-1] <= READ_GAP_BYTES and e - seg_start[-1] <= SEGMENT_BYTES:
+        # A region that overlaps the stretch stays in it (whatever its length), so stretches never share bytes
+        # and the compiled call sees every overlap of regions (refused) within one stretch.
+        if (
+            seg_file
+            and seg_file[-1] == f
+            and (s < seg_stop[-1] or (s - seg_stop[-1] <= READ_GAP_BYTES and e - seg_start[-1] <= SEGMENT_BYTES))
+        ):
             if e > seg_stop[-1]:
                 seg_stop[-1] = e
         else:
