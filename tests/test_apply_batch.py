@@ -1,6 +1,6 @@
 """The receiver's batched path for small items (receive/checkpoint/batch.py) changes the cost only.
 
-* on random sparse changes of tensors of every width (1, 2, 4, 8 bytes), with NaN payloads, -0.0
+* on random sparse changes (xor and overwrite items) of tensors of every width (1, 2, 4, 8 bytes), with NaN payloads, -0.0
   and infinities among the values, and random batch cuts, an apply through batches writes exactly
   the bytes of an apply item by item (and of the target), and the batches were taken;
 * the compiled frame walk accepts only frames that the checked one-frame path accepts, with the
@@ -102,6 +102,7 @@ def sparse_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
     cover=st.sampled_from([700, 2000, 1 << 18]),
     shards=st.integers(1, 3),
     stretch=st.sampled_from([(0, 64), (100, 600), (64 << 10, 8 << 20)]),
+    overwrite=st.sampled_from([(), ("t0*",), ("t*",)]),
 )
 def test_batches_write_the_bytes_of_the_per_item_path(
     tmp_path_factory: pytest.TempPathFactory,
@@ -110,12 +111,14 @@ def test_batches_write_the_bytes_of_the_per_item_path(
     cover: int,
     shards: int,
     stretch: tuple[int, int],
+    overwrite: tuple[str, ...],
 ) -> None:
     tmp = tmp_path_factory.mktemp("batch")
     t0, t1 = pair
     base, new = write_checkpoint(tmp / "v0", t0, shards=shards), write_checkpoint(tmp / "v1", t1, shards=shards)
-    diff(base, new, tmp / "d", base_version="v0", target_version="v1", workers=1)
-    assert {it.op for it in Delta.open(tmp / "d").manifest.items} <= {"xor", "replace"}
+    diff(base, new, tmp / "d", base_version="v0", target_version="v1", workers=1, overwrite=overwrite)
+    ops = {it.op for it in Delta.open(tmp / "d").manifest.items}
+    assert ops <= {"xor", "overwrite", "replace"} and ("overwrite" in ops) == bool(overwrite)
     gap, longest = stretch  # how the batch's regions are cut into reads
     with (
         settings_of(applier, BATCH_ITEMS=items, BATCH_COVER=cover),
