@@ -1,7 +1,7 @@
 """The receiver's batched path for small items (receive/checkpoint/batch.py) changes the cost only.
 
-* on random sparse changes (xor and overwrite items) of tensors of every width (1, 2, 4, 8 bytes), with NaN payloads, -0.0
-  and infinities among the values, and random batch cuts, an apply through batches writes exactly
+* on random sparse changes (xor and overwrite items) of tensors of every width (1, 2, 4, 8 bytes), with
+  NaN payloads, -0.0 and infinities among the values, and random batch cuts, an apply through batches writes exactly
   the bytes of an apply item by item (and of the target), and the batches were taken;
 * the compiled frame walk accepts only frames that the checked one-frame path accepts, with the
   same declared size (any byte flipped, cut or appended);
