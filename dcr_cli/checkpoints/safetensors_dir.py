@@ -312,6 +312,24 @@ def header_locations(file: Path, raw: bytes, data_start: int, size: int) -> list
     return out
 
 
+_NEW_LOCATION = object.__new__
+_SET_LOCATION = tuple(getattr(TensorLocation, f).__set__ for f in ("name", "dtype", "shape", "file", "start", "nbytes"))
+
+
+def _location(name: str, dtype: str, shape: tuple[int, ...], file: Path, start: int, nbytes: int) -> TensorLocation:
+    """``TensorLocation(...)`` of checked fields, each slot set directly (the frozen dataclass's ``__init__``
+    goes through ``object.__setattr__`` per field: a third of a location's cost at 100k tensors)."""
+    loc = _NEW_LOCATION(TensorLocation)
+    set_name, set_dtype, set_shape, set_file, set_start, set_nbytes = _SET_LOCATION
+    set_name(loc, name)
+    set_dtype(loc, dtype)
+    set_shape(loc, shape)
+    set_file(loc, file)
+    set_start(loc, start)
+    set_nbytes(loc, nbytes)
+    return loc
+
+
 def _fast_locations(file: Path, header: dict, data_start: int, size: int) -> list[TensorLocation] | None:
     """The locations of a header every entry of which passes all checks, in header order; None otherwise."""
     out: list[TensorLocation] = []
@@ -350,7 +368,7 @@ def _fast_locations(file: Path, header: dict, data_start: int, size: int) -> lis
             if begin < previous_end:
                 ordered = False
             previous_end = end
-        append(TensorLocation(name, dt.name, tuple(shape), file, data_start + begin, nbytes))
+        append(_location(name, dt.name, tuple(shape), file, data_start + begin, nbytes))
     if not ordered:
         spans = sorted((loc.start, loc.start + loc.nbytes) for loc in out if loc.nbytes)
         if any(b < a_end for (_, a_end), (b, _) in itertools.pairwise(spans)):

@@ -26,13 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import blake3
 import fsspec
 import numpy as np
 
 from ..errors import DcrError, FormatError, IntegrityError
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
-from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, BlockEntry, Item, Manifest, Section, parse_manifest
+from ..format.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    SECTION_DIGEST_BYTES,
+    BlockEntry,
+    Item,
+    Manifest,
+    Section,
+    parse_manifest,
+)
 from .prefetch import BlockFetcher
 from .source import BlockSource
 
@@ -184,6 +194,31 @@ class Delta:
                 out.append(piece)
             i = j
         return out
+
+    def read_joined(self, sections: Sequence[Section], what: Callable[[int], str]) -> bytes:
+        """The bytes of these sections one after another (each checked against its digest), as one
+        object: one read where they follow each other in one block, else ``read_sections`` joined.
+        Errors are ``read_sections``' (it is asked again where anything is wrong)."""
+        first = sections[0]
+        end = first.offset
+        for section in sections:
+            if section.block != first.block or section.offset != end:
+                return b"".join(self.read_sections(sections, what))
+            end += section.length
+        if end - first.offset > GROUP_READ_BYTES:
+            return b"".join(self.read_sections(sections, what))
+        data = self._read_range(self.manifest.blocks[first.block], first.offset, end, what(0))
+        if len(data) != end - first.offset:
+            return b"".join(self.read_sections(sections, what))
+        view = memoryview(data)
+        length = SECTION_DIGEST_BYTES[self.manifest.major]
+        at = 0
+        for section in sections:
+            stop = at + section.length
+            if blake3.blake3(view[at:stop]).hexdigest(length=length) != section.digest:
+                return b"".join(self.read_sections(sections, what))  # raises, naming the section
+            at = stop
+        return data
 
     def prefetch_blocks(self, roles: tuple[str, ...] = ("data",), *, workers: int = FETCH_WORKERS) -> None:
         """Start fetching a remote delta's blocks of these roles in the background, in the order the

@@ -264,3 +264,158 @@ def merge_planes(raw: np.ndarray, uint: np.dtype) -> np.ndarray:
     if len(out):
         _merge_planes(raw, width, out)
     return out.view(uint)
+
+
+# --------------------------------------------------------------------------- batches of small items (receivers)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _zstd_frames(blob, starts, ends, declared):  # pragma: no cover - compiled
+    # Each blob[starts[f]:ends[f]] must be exactly one standard zstd frame (RFC 8878 §3.1.1) with a
+    # content size, a content checksum and no dictionary id: the frames ``codec.decompress_bounded``
+    # accepts, found by the same walk over block headers. Its content size goes to declared[f].
+    # Returns the first frame that is not such a frame, or -1 (a caller then takes the checked
+    # one-frame-at-a-time path, which says what is wrong).
+    for f in range(starts.shape[0]):
+        pos = np.int64(starts[f])
+        end = np.int64(ends[f])
+        if end - pos < 6:
+            return f
+        if blob[pos] != 0x28 or blob[pos + 1] != 0xB5 or blob[pos + 2] != 0x2F or blob[pos + 3] != 0xFD:
+            return f
+        fhd = np.int64(blob[pos + 4])
+        fcs_flag = fhd >> 6
+        single = (fhd >> 5) & 1
+        if (fhd >> 3) & 1 or not (fhd >> 2) & 1 or fhd & 3:  # reserved bit, no checksum, a dictionary id
+            return f
+        p = pos + 5 + (1 - single)  # the window descriptor, where the frame is not single-segment
+        if fcs_flag == 0:
+            fcs = np.int64(single)  # 1 byte, or no content size at all
+        elif fcs_flag == 1:
+            fcs = np.int64(2)
+        elif fcs_flag == 2:
+            fcs = np.int64(4)
+        else:
+            fcs = np.int64(8)
+        if fcs == 0 or p + fcs > end:
+            return f
+        size = np.int64(0)
+        for j in range(fcs):
+            size |= np.int64(blob[p + j]) << np.int64(8 * j)
+        if fcs == 2:
+            size += 256
+        if size < 0:
+            return f
+        declared[f] = size
+        p += fcs
+        while True:
+            if p + 3 > end:
+                return f
+            header = np.int64(blob[p]) | (np.int64(blob[p + 1]) << 8) | (np.int64(blob[p + 2]) << 16)
+            kind = (header >> 1) & 3
+            if kind == 3:
+                return f
+            p += 4 if kind == 1 else 3 + (header >> 3)
+            if header & 1:
+                break
+        p += 4
+        if p != end:
+            return f
+    return -1
+
+
+def zstd_frames(blob: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, int]:
+    """(declared content sizes, first frame refused or -1) of the frames blob[starts[f]:ends[f]] (int64 bounds)."""
+    declared = np.zeros(starts.shape[0], dtype=np.int64)
+    if starts.shape[0] == 0:
+        return declared, -1
+    return declared, int(_zstd_frames(blob, starts, ends, declared))
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _apply_batch(raw, gaps_at, gaps_len, values_at, counts, widths, sizes, region_at, region_seg, xor, order,
+                 buf, cur, new, patch_at, out_at, gap_bytes, join, spans):  # fmt: skip  # pragma: no cover - compiled
+    # Items of one batch, each a flat region of ``sizes[k]`` elements of ``widths[k]`` bytes that
+    # starts at buf[region_at[k]]: decode its escaped gaps (raw[gaps_at[k]:+gaps_len[k]], delta-v1 §6.1)
+    # and its byte planes (raw[values_at[k]:], §6.2); copy each affected element's current bytes to
+    # cur and its new bytes (current XOR mask, or the absolute value) to new, at out_at[k] on, in
+    # position order (what the item's pre and post digests cover), and where each new byte goes in buf
+    # to patch_at (buf itself is left as read: a writer reads it again and patches it).
+    # Visiting the items in ``order`` (by region), it records the spans of buf to write: cut where
+    # more than gap_bytes lie unchanged between two elements and wherever the next region does not
+    # start where the last one ended in the same segment (a span lies inside the batch's regions);
+    # without ``join``, at every item's boundary (each item written by writes of its own).
+    # Returns (the first item refused, or -1; spans). Refused: regions that overlap, gaps whose
+    # escapes do not match their bytes, a position outside its region.
+    n_spans = 0
+    lo = np.int64(-1)
+    hi = np.int64(-1)
+    seg = np.int64(-1)
+    prev_end = np.int64(-1)
+    prev_seg = np.int64(-1)
+    for oi in range(order.shape[0]):
+        k = order[oi]
+        w = np.int64(widths[k])
+        c = np.int64(counts[k])
+        start = np.int64(region_at[k])
+        s = np.int64(region_seg[k])
+        if s == prev_seg and start < prev_end:
+            return k, n_spans
+        if lo >= 0 and not (join and s == prev_seg and start == prev_end):
+            spans[n_spans, 0] = lo
+            spans[n_spans, 1] = hi
+            spans[n_spans, 2] = seg
+            n_spans += 1
+            lo = np.int64(-1)
+        g = np.int64(gaps_at[k])
+        escapes = np.int64(0)
+        for t in range(c):
+            if raw[g + t] == ESCAPE:
+                escapes += 1
+        if np.int64(gaps_len[k]) != c + 4 * escapes:
+            return k, n_spans
+        size = np.int64(sizes[k])
+        v = np.int64(values_at[k])
+        o = np.int64(out_at[k])
+        is_xor = xor[k]
+        e = np.int64(0)
+        last = np.int64(-1)
+        for t in range(c):
+            gap = np.int64(raw[g + t])
+            if gap == ESCAPE:
+                gap += (
+                    np.int64(raw[g + c + e])
+                    | (np.int64(raw[g + c + escapes + e]) << 8)
+                    | (np.int64(raw[g + c + 2 * escapes + e]) << 16)
+                    | (np.int64(raw[g + c + 3 * escapes + e]) << 24)
+                )
+                e += 1
+            last += gap + 1
+            if last >= size:
+                return k, n_spans
+            b = start + last * w
+            for j in range(w):
+                now = buf[b + j]
+                plane = raw[v + j * c + t]
+                cur[o + t * w + j] = now
+                new[o + t * w + j] = now ^ plane if is_xor else plane
+                patch_at[o + t * w + j] = b + j
+            if lo >= 0 and b - hi <= gap_bytes:
+                hi = b + w
+            else:
+                if lo >= 0:
+                    spans[n_spans, 0] = lo
+                    spans[n_spans, 1] = hi
+                    spans[n_spans, 2] = seg
+                    n_spans += 1
+                lo = b
+                hi = b + w
+                seg = s
+        prev_end = start + size * w
+        prev_seg = s
+    if lo >= 0:
+        spans[n_spans, 0] = lo
+        spans[n_spans, 1] = hi
+        spans[n_spans, 2] = seg
+        n_spans += 1
+    return np.int64(-1), n_spans

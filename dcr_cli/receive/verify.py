@@ -73,9 +73,9 @@ def compare_tables(
 ) -> tuple[list[str], list[str], list[str], list[str]]:
     """(digest differs, missing, unexpected, dtype/shape differs), each sorted."""
     mismatched, layout = [], []
-    for name in sorted(set(expected) & set(actual)):
+    for name in sorted(expected.keys() & actual.keys()):
         e, a = expected[name], actual[name]
-        if (e.dtype, tuple(e.shape)) != (a.dtype, tuple(a.shape)):
+        if e.dtype != a.dtype or (e.shape != a.shape and tuple(e.shape) != tuple(a.shape)):
             layout.append(name)
         elif e.digest != a.digest:
             mismatched.append(name)
@@ -103,6 +103,7 @@ def verify(
         receiver_plan.check_table(delta.manifest, f"{delta.url} (nothing to verify against: fetch it again)")
         expected = delta.manifest.tensors
         expected_version: str | None = delta.manifest.target.version
+        expected_fp = delta.manifest.target.fingerprint  # what check_table just proved the table hashes to
         label = delta.url
     else:
         state = read_state(root)
@@ -119,20 +120,22 @@ def verify(
         if recorded is None:
             raise IncompatibleError(f"{root}/.dcr holds no tensor table for its version; pass --against DELTA")
         expected, expected_version, label = recorded, state.version, "state"
+        expected_fp = state.fingerprint  # read_recorded_table returns only a table of that fingerprint
     started = time.perf_counter()
     with SafetensorsCheckpoint(root) as ckpt, InPlaceFiles(dict(ckpt.tensors)) as files:
         actual = digest_tensors(files, workers or default_workers())
         nbytes = sum(t.nbytes for t in ckpt.tensors.values())
     seconds = time.perf_counter() - started
     mismatched, missing, unexpected, layout = compare_tables(expected, actual)
-    computed = fingerprint(actual)
     ok = not (mismatched or missing or unexpected or layout)
+    # Equal tables (names, dtypes, shapes, digests) have one fingerprint: hashed again only where they differ.
+    computed = expected_fp if ok else fingerprint(actual)
     return VerifyReport(
         checkpoint=str(root),
         ok=ok,
         against=label,
         expected_version=expected_version,
-        expected_fingerprint=fingerprint(expected),
+        expected_fingerprint=expected_fp,
         computed_fingerprint=computed,
         tensors=len(actual),
         bytes=nbytes,

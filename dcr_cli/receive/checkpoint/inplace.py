@@ -29,7 +29,7 @@ from ...errors import IntegrityError
 from ...format.codec import small_bytes
 from ...format.digest import StreamingDigest
 from ...format.dtypes import dtype as lookup_dtype
-from ...format.manifest import TensorEntry
+from ...format.manifest import TensorEntry, make_entry
 from ...io.pool import Inline, ordered_parallel
 
 GAP_BYTES = 4096  # unchanged bytes between two written elements that a run rewrites rather than split
@@ -46,6 +46,11 @@ def _scratch(nbytes: int) -> np.ndarray:
     if buf is None or buf.size < nbytes:
         buf = _SCRATCH.buf = np.empty(max(nbytes, READ_CHUNK), dtype=np.uint8)
     return buf
+
+
+def scratch(nbytes: int) -> np.ndarray:
+    """This thread's read buffer as ``nbytes`` bytes (valid until its next scratch read)."""
+    return _scratch(nbytes)[:nbytes]
 
 
 # Up to this many bytes, a digest is one single-threaded BLAKE3 call (digest_bytes' own threshold
@@ -152,6 +157,18 @@ class InPlaceFiles:
             _read_into(self._fd(loc.file), loc.start + start * uint.itemsize, _bytes(out), name)
         return out
 
+    def read_at(self, file: Path, offset: int, out: memoryview, what: str) -> None:
+        """Bytes of ``file`` from ``offset`` into ``out`` (a batch's stretch of the file; ``what`` names it)."""
+        _read_into(self._fd(file), offset, out, what)
+
+    def write_at(self, file: Path, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset`` of ``file`` (a span inside the regions of the items being written)."""
+        fd = self._fd(file)
+        if file not in self._written:
+            with self._lock:
+                self._written.add(file)
+        _write_values(fd, offset, data)
+
     def gather(self, name: str, index: np.ndarray | slice, runs: list[Run]) -> np.ndarray:
         """Current values at ``index`` (sorted canonical indices, or a contiguous slice)."""
         if isinstance(index, slice):
@@ -224,21 +241,69 @@ BATCH_BYTES = 4 << 20
 BATCH_TENSORS = 512
 
 
-def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
-    """The tensor table of ``names`` (default: every tensor), hashed on the pool, largest tensors first."""
+# Unchanged bytes between two small tensors that one read covers rather than split in two.
+READ_GAP_BYTES = 64 << 10
+
+
+def digest_small_tensors(files: InPlaceFiles, names: list[str]) -> list[tuple[str, str]]:
+    """(name, digest) of small tensors given in file order: one pread per stretch of a file that they
+    cover (into this thread's scratch buffer), then one BLAKE3 call per tensor on its slice of it,
+    the same digests as ``InPlaceFiles.digest``."""
+    out: list[tuple[str, str]] = []
     locations = files.locations
-    chosen = sorted(locations if names is None else names, key=lambda n: -locations[n].nbytes)
+    n, i = len(names), 0
+    while i < n:
+        first = locations[names[i]]
+        file, start, stop = first.file, first.start, first.start + first.nbytes
+        j = i + 1
+        while j < n:
+            loc = locations[names[j]]
+            end = loc.start + loc.nbytes
+            if (
+                (loc.file is not file and loc.file != file)
+                or loc.start < start
+                or loc.start - stop > READ_GAP_BYTES
+                or end - start > BATCH_BYTES
+            ):
+                break
+            stop = max(stop, end)
+            j += 1
+        buf = _scratch(stop - start)[: stop - start]
+        view = buf.data
+        if stop > start:
+            _read_into(files._fd(file), start, view, names[i])
+        for k in range(i, j):
+            loc = locations[names[k]]
+            a = loc.start - start
+            out.append((names[k], blake3.blake3(view[a : a + loc.nbytes]).hexdigest()))
+        i = j
+    return out
+
+
+def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
+    """The tensor table of ``names`` (default: every tensor), hashed on the pool, largest tensors first;
+    the small ones in file order, in batches (``digest_small_tensors``)."""
+    locations = files.locations
+    big: list[tuple[int, str]] = []
+    small: list[tuple[int, int, str]] = []  # (file, offset, name): file order
+    file_ids: dict[Path, int] = {}
+    for name in locations if names is None else names:
+        loc = locations[name]
+        if loc.nbytes > SMALL_TENSOR_BYTES:
+            big.append((-loc.nbytes, name))
+        else:
+            small.append((file_ids.setdefault(loc.file, len(file_ids)), loc.start, name))
+    big.sort()
+    small.sort()
 
     def batches() -> Iterable[tuple[list[str], bool]]:
+        for _, name in big:
+            yield [name], False
         batch: list[str] = []
         nbytes = 0
-        for name in chosen:
-            size = locations[name].nbytes
-            if size > SMALL_TENSOR_BYTES:
-                yield [name], False
-                continue
+        for _, _, name in small:
             batch.append(name)
-            nbytes += size
+            nbytes += locations[name].nbytes
             if nbytes >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
                 yield batch, True
                 batch, nbytes = [], 0
@@ -247,10 +312,12 @@ def digest_tensors(files: InPlaceFiles, workers: int, names: Iterable[str] | Non
 
     def task(batch: list[str], small: bool) -> Callable[[], list[tuple[str, str]]]:
         def run() -> list[tuple[str, str]]:
+            if small:
+                return digest_small_tensors(files, batch)
             return [(name, files.digest(name)) for name in batch]
 
         # A batch of small tensors holds the GIL throughout: it runs on this thread (see pool.Inline).
         return Inline(run) if small else run
 
     digests = dict(pair for done in ordered_parallel((task(*b) for b in batches()), workers) for pair in done)
-    return {n: TensorEntry(locations[n].dtype, locations[n].shape, digests[n]) for n in sorted(digests)}
+    return {n: make_entry(locations[n].dtype, locations[n].shape, digests[n]) for n in sorted(digests)}
