@@ -27,6 +27,13 @@ from .vllm_cmd import VLLM_OPTION_HELP, apply_vllm
     metavar="VERSION",
     help="With a store URL: the receiver is at committed VERSION; apply the cheapest path (chain or shortcuts).",
 )
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="With a store URL and --version: wait up to SECONDS for the version to be published (start the "
+    "receiver before the producer publishes); exit 4 if it is not.",
+)
 @click.option("--ack", "ack_url", metavar="URL", help="After applying, acknowledge the version on this store.")
 @click.option("--receiver", help="This receiver's name, for --ack.")
 @storage_options
@@ -40,6 +47,7 @@ def command(
     verify_after: bool,
     version: str | None,
     since: str | None,
+    wait: float | None,
     ack_url: str | None,
     receiver: str | None,
     storage_option: tuple[str, ...],
@@ -57,7 +65,7 @@ def command(
         raise DcrError("give exactly one receiver: --into CHECKPOINT_DIR or --vllm URL")
     options = parse_storage_options(storage_option)
     if vllm_url:
-        if version is not None:
+        if version is not None or wait is not None:
             raise DcrError("with --vllm, pass delta directories the engine can read (dcr pull a store's version first)")
         apply_vllm(deltas, vllm_url, ack_url, receiver, options, as_json)
         return
@@ -73,6 +81,7 @@ def command(
         workers=workers,
         verify=verify_after,
         log=None if as_json else say,
+        wait=wait,
     )
     if as_json:
         emit_json(result.to_json())

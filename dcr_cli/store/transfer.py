@@ -52,6 +52,7 @@ from .repo import (
     VersionRecord,
     check_label,
     dumps,
+    poll,
     utc_now,
 )
 
@@ -767,14 +768,30 @@ def _local_block_ok(path: Path, block: BlockEntry) -> bool:
 # -- reading a version in place ----------------------------------------------------------------------------------------
 
 
-def open_version(url: str, version: str | None = None, *, storage_options: dict[str, Any] | None = None) -> Delta:
+def open_version(
+    url: str,
+    version: str | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    wait: float | None = None,
+) -> Delta:
     """Open a stored version as a Delta that reads its blocks straight from the store.
 
     The manifest is checked against the digest in the version record, every section against the
     manifest. The Delta's location, ``STORE/manifests/<digest>.json``, opens the same delta again
     with ``Delta.open`` (e.g. in a vLLM worker; credentials then come from the environment).
+    ``wait``: seconds to wait for the store and ``version`` to be published (a receiver started
+    before its producer publishes); NotReadyError (exit 4) if they are not there by then.
     """
     store = Store(url, storage_options)
+    if wait is not None:
+        if version is None:
+            raise DcrError("--wait needs --version: the version to wait for")
+        check_label(version, "version")
+        deadline = time.monotonic() + wait
+        poll(store.marker, deadline, f"{url}: a dcr store")
+        record = poll(lambda: store.version(version), deadline, f"{url}: version {version!r}")
+        return open_record(store, record, f"{url} (version {record.version})")
     store.require_marker()
     record = resolve(store, version)
     return open_record(store, record, f"{url} (version {record.version})")
@@ -798,10 +815,18 @@ def open_record(store: Store, record: VersionRecord, label: str) -> Delta:
     )
 
 
-def open_delta(location: str, version: str | None = None, *, storage_options: dict[str, Any] | None = None) -> Delta:
-    """Open a delta given either a delta directory (path or URL) or a store URL (plus an optional version)."""
-    if is_store(location, storage_options):
-        return open_version(location, version, storage_options=storage_options)
+def open_delta(
+    location: str,
+    version: str | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    wait: float | None = None,
+) -> Delta:
+    """Open a delta given either a delta directory (path or URL) or a store URL (plus an optional version).
+
+    ``wait`` (with a version): the location is a store, maybe not created yet; wait for the version."""
+    if wait is not None or is_store(location, storage_options):
+        return open_version(location, version, storage_options=storage_options, wait=wait)
     if version is not None:
         raise DcrError(f"{location} is a delta, not a store: --version does not apply")
     return Delta.open(location)
