@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 from ..errors import DcrError
@@ -82,6 +84,7 @@ def command(
         verify=verify_after,
         log=None if as_json else say,
         wait=wait,
+        on_wait=_waiting(wait),
     )
     if as_json:
         emit_json(result.to_json())
@@ -90,3 +93,8 @@ def command(
             say(result.message)
         if ack_url:
             say(f"acknowledged {result.version} as {receiver!r} on {ack_url}")
+
+
+def _waiting(wait: float | None) -> Callable[[str], None]:
+    """What --wait prints on stderr (also with --json) once it is waiting: the command is then ready."""
+    return lambda what: say(f"waiting up to {wait:g} s for {what}", err=True)

@@ -48,6 +48,7 @@ def command(
         storage_options=parse_storage_options(storage_option),
         allow_unsafe_publish=allow_unsafe_publish,
         wait=wait,
+        on_wait=lambda what: say(f"waiting up to {wait:g} s for {what}", err=True),
     )
     if as_json:
         emit_json(result.to_json())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -118,6 +118,7 @@ def commit(
     storage_options: dict[str, Any] | None = None,
     allow_unsafe_publish: bool = False,
     wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> CommitResult:
     """Make ``version`` the committed head once the named receivers (or a quorum) acknowledged it.
 
@@ -127,6 +128,7 @@ def commit(
     for the store, the version and the acknowledgements instead (a producer that starts its commit
     with the refit: its start-up is off the refit's path); the acknowledgements are listed every
     POLL_S and the commit is tried whenever a new one appears, with every check as without it.
+    ``on_wait`` is told what it waits for, once, when it starts waiting.
     """
     _check_commit_args(receivers, quorum)
     if wait is None:
@@ -134,8 +136,8 @@ def commit(
     deadline = time.monotonic() + wait
     store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
     check_label(version, "version")
-    poll(store.marker, deadline, f"{url}: a dcr store")
-    poll(lambda: store.version(version), deadline, f"{url}: version {version!r}")
+    poll(store.marker, deadline, f"{url}: a dcr store", on_wait)
+    poll(lambda: store.version(version), deadline, f"{url}: version {version!r}", on_wait)
     while True:
         seen = _ack_names(store, version)
         try:
@@ -144,7 +146,9 @@ def commit(
             if time.monotonic() >= deadline:
                 raise
         # Until an acknowledgement appears, one listing per poll (a commit attempt asks several questions).
-        poll(functools.partial(_new_acks, store, version, seen), deadline, f"a new acknowledgement of {version!r}")
+        what = f"a new acknowledgement of {version!r}"
+        poll(functools.partial(_new_acks, store, version, seen), deadline, what, on_wait)
+        on_wait = None
 
 
 def _ack_names(store: Store, version: str) -> set[tuple[str, int, float | None]]:

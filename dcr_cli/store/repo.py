@@ -241,13 +241,17 @@ class Listing:
     mtime: float | None  # seconds since the epoch, when the backend says
 
 
-def poll(probe: Callable[[], T | None], deadline: float, what: str) -> T:
+def poll(probe: Callable[[], T | None], deadline: float, what: str, on_wait: Callable[[str], None] | None = None) -> T:
     """``probe()`` until it returns something, asked every POLL_S until ``deadline`` (time.monotonic);
-    then NotReadyError (exit 4) saying ``what`` did not appear."""
+    then NotReadyError (exit 4) saying ``what`` did not appear. ``on_wait(what)`` is called once, when
+    the first answer is no (the caller is then ready and waiting)."""
     while True:
         found = probe()
         if found is not None:
             return found
+        if on_wait is not None:
+            on_wait(what)
+            on_wait = None
         left = deadline - time.monotonic()
         if left <= 0:
             raise NotReadyError(f"{what} did not appear in time; nothing was done — run it again (or wait longer)")

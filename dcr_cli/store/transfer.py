@@ -774,6 +774,7 @@ def open_version(
     *,
     storage_options: dict[str, Any] | None = None,
     wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> Delta:
     """Open a stored version as a Delta that reads its blocks straight from the store.
 
@@ -781,7 +782,8 @@ def open_version(
     manifest. The Delta's location, ``STORE/manifests/<digest>.json``, opens the same delta again
     with ``Delta.open`` (e.g. in a vLLM worker; credentials then come from the environment).
     ``wait``: seconds to wait for the store and ``version`` to be published (a receiver started
-    before its producer publishes); NotReadyError (exit 4) if they are not there by then.
+    before its producer publishes); NotReadyError (exit 4) if they are not there by then. ``on_wait`` is
+    told what it waits for, once, when it starts waiting.
     """
     store = Store(url, storage_options)
     if wait is not None:
@@ -789,8 +791,8 @@ def open_version(
             raise DcrError("--wait needs --version: the version to wait for")
         check_label(version, "version")
         deadline = time.monotonic() + wait
-        poll(store.marker, deadline, f"{url}: a dcr store")
-        record = poll(lambda: store.version(version), deadline, f"{url}: version {version!r}")
+        poll(store.marker, deadline, f"{url}: a dcr store", on_wait)
+        record = poll(lambda: store.version(version), deadline, f"{url}: version {version!r}", on_wait)
         return open_record(store, record, f"{url} (version {record.version})")
     store.require_marker()
     record = resolve(store, version)
@@ -821,12 +823,13 @@ def open_delta(
     *,
     storage_options: dict[str, Any] | None = None,
     wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> Delta:
     """Open a delta given either a delta directory (path or URL) or a store URL (plus an optional version).
 
     ``wait`` (with a version): the location is a store, maybe not created yet; wait for the version."""
     if wait is not None or is_store(location, storage_options):
-        return open_version(location, version, storage_options=storage_options, wait=wait)
+        return open_version(location, version, storage_options=storage_options, wait=wait, on_wait=on_wait)
     if version is not None:
         raise DcrError(f"{location} is a delta, not a store: --version does not apply")
     return Delta.open(location)

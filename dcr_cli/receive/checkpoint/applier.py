@@ -404,6 +404,21 @@ def _establish(
     return _Start(fp, _label(fp, opened), table, None, []), state
 
 
+def warm_up() -> None:
+    """Load what the first item's decode would load (zstd contexts, the compiled kernels from numba's
+    on-disk cache) by decoding tiny sections made here: a receiver that waits for a version
+    (``apply --wait``) does it before it starts waiting, so the first item of the refit does not."""
+    from ...format import codec
+    from ...format.dtypes import dtype as lookup_dtype
+
+    positions = np.array([0, 3, 300], dtype=np.int64)
+    codec.decode_positions(codec.encode_positions(positions), len(positions), 1000, "warm-up")
+    for name in ("BF16", "F32", "F64"):
+        dt = lookup_dtype(name)
+        values = np.arange(4, dtype=dt.uint)
+        codec.decode_values(codec.encode_values(values), len(values), dt, "warm-up")
+
+
 @fewer_collections()
 def apply(
     deltas: DeltaLike | Sequence[DeltaLike],
