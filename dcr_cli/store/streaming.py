@@ -5,7 +5,9 @@ overlap the diff of later tensors. Only data blocks: repair blocks (``roles``; t
 honours it) stay on local disk until the version is published. When the diff is done, an ordinary
 ``push`` publishes the version: it finds the data blocks already there, uploads the manifest and the
 record, then the repair blocks (store-v1 §4.1), so all of its guarantees (base check, create-only
-publication, resume after a kill) stay as they are.
+publication, resume after a kill) stay as they are. It is told which blocks this uploader has just
+written (``uploaded``), so it does not ask the store about them again before the manifest; it still
+checks every data block is there just before it writes the record.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class BlockUploader:
         self._futures: list[Future[None]] = []
         self.uploaded_blocks = 0
         self.uploaded_bytes = 0
+        self.uploaded: dict[str, int] = {}  # id -> size of each block this uploader wrote (push(fresh=...))
         self._count_lock = threading.Lock()
 
     def __call__(self, block_id: str, data: bytes) -> None:
@@ -62,6 +65,7 @@ class BlockUploader:
             with self._count_lock:
                 self.uploaded_blocks += 1
                 self.uploaded_bytes += len(data)
+                self.uploaded[block_id] = len(data)
         finally:
             with self._cond:
                 self._waiting -= 1
