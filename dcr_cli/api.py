@@ -56,10 +56,21 @@ def resolve(
     return out
 
 
-def _acknowledge(url: str, receiver: str, version: str, fp: str, storage_options: dict[str, Any] | None) -> None:
+def _acknowledge(
+    url: str,
+    receiver: str,
+    version: str,
+    fp: str,
+    storage_options: dict[str, Any] | None,
+    opened: Sequence[DeltaLike] = (),
+) -> None:
     from .store import acknowledge
+    from .store.repo import StoreBlockSource
 
-    acknowledge(url, version, receiver, fingerprint=fp, storage_options=storage_options)
+    # The store the deltas came from, if it is the one acknowledged on: its client and marker are ready.
+    stores = [d.source.store for d in opened if isinstance(d, Delta) and isinstance(d.source, StoreBlockSource)]
+    store = next((s for s in stores if s.url == url), None)
+    acknowledge(url, version, receiver, fingerprint=fp, storage_options=storage_options, store=store)
 
 
 def _ack_pair(ack: str | None, receiver: str | None) -> None:
@@ -104,7 +115,7 @@ def apply(
             if isinstance(d, Delta):
                 d.cancel_fetches()
     if ack and receiver:
-        _acknowledge(ack, receiver, result.version, result.fingerprint, storage_options)
+        _acknowledge(ack, receiver, result.version, result.fingerprint, storage_options, opened)
     return result
 
 

@@ -45,14 +45,16 @@ def acknowledge(
     *,
     fingerprint: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    store: Store | None = None,
 ) -> dict[str, Any]:
     """Record that ``receiver`` holds ``version``. Idempotent.
 
     ``fingerprint``, when given, is what the receiver verified it holds; it
-    must be the version's target fingerprint.
+    must be the version's target fingerprint. ``store``: the Store of ``url`` the caller has open
+    already (its marker read once: one round trip less).
     """
     check_label(receiver, "receiver")
-    store = Store(url, storage_options)
+    store = store if store is not None and store.url == url else Store(url, storage_options)
     store.require_marker()
     record = store.require_version(version)
     if fingerprint is not None and fingerprint != record.target.fingerprint:

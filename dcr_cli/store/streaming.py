@@ -12,6 +12,7 @@ checks every data block is there just before it writes the record.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,6 +48,13 @@ class BlockUploader:
         self.uploaded_bytes = 0
         self.uploaded: dict[str, int] = {}  # id -> size of each block this uploader wrote (push(fresh=...))
         self._count_lock = threading.Lock()
+        # The store client's first request sets up its session and connection (tenths of a second): ask it
+        # now, while the diff builds the first block, not when that block is ready to go.
+        self._futures.append(self._pool.submit(self._connect))
+
+    def _connect(self) -> None:
+        with contextlib.suppress(Exception):  # only a warm-up: the uploads ask again and report their own errors
+            self.store.marker()
 
     def __call__(self, block_id: str, data: bytes) -> None:
         with self._cond:
