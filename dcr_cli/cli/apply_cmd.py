@@ -22,7 +22,12 @@ from .vllm_cmd import VLLM_OPTION_HELP, apply_vllm
 )
 @click.option("--vllm", "vllm_url", metavar="URL", help=VLLM_OPTION_HELP)
 @click.option("--workers", type=click.IntRange(min=1), help="Threads to use (default: all cores).")
-@click.option("--verify", "verify_after", is_flag=True, help="Re-digest every tensor afterwards (as dcr verify).")
+@click.option(
+    "--verify",
+    "verify_after",
+    is_flag=True,
+    help="Check every tensor afterwards, as dcr verify (the touched ones by the apply's own read-back).",
+)
 @click.option("--version", help="With a store URL: the version to apply (default: the store's newest).")
 @click.option(
     "--since",
