@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_refit.py [--quick] [--size 3] [--links 1G,100M] [--receivers 1,4]
         [--stores s3,local] [--cases u1,u3,u5,adam3,moe3] [--producer seq|overlap] [--reference-sample-mib 512]
-        [--receiver-mode stream|oneshot|pull]
+        [--receiver-mode oneshot,waiting|stream|pull]
 
 Corpus (built locally under --corpus, reused across runs; nothing is downloaded):
 
@@ -14,10 +14,20 @@ Corpus (built locally under --corpus, reused across runs; nothing is downloaded)
 
 Every refit runs as real processes (``python -m dcr_cli``), timed one by one:
 producer ``diff`` then ``push`` (or ``diff --push`` with --producer overlap); then every receiver at
-once, by --receiver-mode: ``stream`` (default): ``apply STORE --version V --into`` (the blocks download
-in the background while the first pass checks the items) -> ``verify --against STORE`` -> ``ack``;
-``oneshot``: the same in one process, ``apply STORE --version V --into --verify --ack``; ``pull``:
-``pull`` -> ``apply --into`` the local copy -> ``verify --against`` it -> ``ack``. A local store is
+once, by --receiver-mode (several: each measured in turn; default oneshot,waiting):
+
+* ``oneshot``: the refit's receiver command, one process started at the publication: ``apply STORE
+  --version V --into DIR --verify --ack`` (the blocks download in the background while the first pass
+  checks the items; --verify reuses the apply's read-back proof, so each tensor is digested once);
+* ``waiting``: the same command with ``--wait``, and the producer's ``commit --wait``, started before the
+  producer (timing starts once each says on stderr that it is waiting): receivers that are up when a
+  refit begins. They poll the store for the version (and the acks) during the refit, so their process
+  start-up is off the critical path; the receiver's stage is from the publication to its exit, the
+  commit's from the last receiver's exit to its own;
+* ``stream``: ``apply STORE --version V --into`` -> ``verify --against STORE`` -> ``ack``, three processes;
+* ``pull``: ``pull`` -> ``apply --into`` the local copy -> ``verify --against`` it -> ``ack``.
+
+Every printed refit says which mode its figures are for. A local store is
 throttled by ``--limit-rate``, which only push and pull take: its receivers always pull. Then the
 producer's ``commit``.
 The receivers hold real checkpoints (each its own copy) that walk the chain and are verified bit-exact
@@ -99,8 +109,8 @@ class Watched:
     """A producer command that runs on while the receivers start: the moment it prints the PUBLISHED line
     (or exits, for a dcr that prints none) is its publication; peak memory sampled as harness.run does."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
-        self.argv, self.name = argv, name
+    def __init__(self, argv: list[str], env: dict[str, str], name: str, marker: str = PUBLISHED) -> None:
+        self.argv, self.name, self.marker = argv, name, marker
         self.t0 = time.perf_counter()
         self.published_at: float | None = None
         self.event = threading.Event()
@@ -131,7 +141,7 @@ class Watched:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.err.append(line)
-            if PUBLISHED in line and self.published_at is None:
+            if self.marker in line and self.published_at is None:
                 self.published_at = time.perf_counter()
                 self.event.set()
 
@@ -447,6 +457,27 @@ def run_refit(
         memory.add(proc)
         return proc.check()
 
+    results: dict[str, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+    names = [f"--receiver={n.name}" for n in link.nodes[1:]]
+    early: dict[str, Watched] = {}  # mode "waiting": processes waiting on the store when the producer starts
+    if mode == "waiting":
+        # Every receiver and the producer's commit are started first and wait on the store (apply --wait,
+        # commit --wait; each says so on stderr once it is polling), as receivers that are up when the
+        # producer begins: their start-up is off the critical path, and they act on the version only once it
+        # is published. Their polling runs during the refit.
+        for node, recv in zip(link.nodes[1:], receivers, strict=True):
+            argv = dcr(
+                "apply", store_url, "--version", target, "--into", str(recv.root), "--verify", "--json",
+                "--ack", store_url, "--receiver", node.name, "--wait", "600",
+            )  # fmt: skip
+            early[node.name] = Watched(argv, node.env, "apply --wait --verify --ack", marker="waiting up to")
+        argv = dcr("commit", store_url, target, *names, "--wait", "600")
+        early["commit"] = Watched(argv, producer.env, "commit --wait", marker="waiting up to")
+        for w in early.values():
+            w.event.wait()
+            if w.exited.is_set():
+                w.wait().check()
     t0 = time.perf_counter()
     # The receivers start the moment the version is published; the producer's repair upload goes on
     # meanwhile (its tail is printed apart: it is off the critical path).
@@ -470,9 +501,6 @@ def run_refit(
     raw_manifest = (out / MANIFEST_NAME).read_bytes()
     manifest_bytes = len(raw_manifest)
     payload_bytes = parse_manifest(raw_manifest).payload_bytes()
-
-    results: dict[str, dict[str, Any]] = {}
-    errors: list[BaseException] = []
 
     def receive(node: Node, recv: Receiver) -> None:
         try:
@@ -543,20 +571,39 @@ def run_refit(
         except BaseException as e:
             errors.append(e)
 
-    threads = [
-        threading.Thread(target=receive, args=(node, recv))
-        for node, recv in zip(link.nodes[1:], receivers, strict=True)
-    ]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
-    names = [f"--receiver={n.name}" for n in link.nodes[1:]]
-    c = record(run(dcr("commit", store_url, target, *names), producer.env, name="commit"))
-    stages["commit"] = c.seconds
-    committed = time.perf_counter()
+    if mode == "waiting":
+        last_exit = published
+        for node, recv in zip(link.nodes[1:], receivers, strict=True):
+            a = record(early[node.name].wait())
+            if not json.loads(a.stdout)["verified"]["ok"]:
+                raise RuntimeError(f"{recv.root}: verify failed after apply")
+            ended = a.started + a.seconds
+            last_exit = max(last_exit, ended)
+            # On the critical path: from the publication to the receiver's exit (it was waiting before).
+            results[node.name] = {
+                "stages": {"apply": ended - published, "verify": 0.0, "ack": 0.0},
+                "total": ended - published,
+                "process_s": a.seconds,
+                "downloaded": payload_bytes + manifest_bytes,
+            }
+            recv.at = target
+        c = record(early["commit"].wait())
+        committed = c.started + c.seconds
+        stages["commit"] = committed - last_exit  # after the last acknowledgement's receiver exited
+    else:
+        threads = [
+            threading.Thread(target=receive, args=(node, recv))
+            for node, recv in zip(link.nodes[1:], receivers, strict=True)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        c = record(run(dcr("commit", store_url, target, *names), producer.env, name="commit"))
+        stages["commit"] = c.seconds
+        committed = time.perf_counter()
     critical = committed - t0
     done = record(producing.wait())  # the repair blocks' upload, begun at the publication
     tail = (producing.ended - published) if producing.ended > published else 0.0
@@ -593,6 +640,8 @@ def run_refit(
         receivers=len(receivers),
         extra={
             "receiver_totals": {n: round(r["total"], 2) for n, r in results.items()},
+            "receiver_process_s": {n: round(r["process_s"], 2) for n, r in results.items() if "process_s" in r},
+            "commit_process_s": round(c.seconds, 2),
             "receiver_mode": mode,
             "repair_tail_s": round(tail, 2),  # publication -> producer exit: the repair upload
             "repair_tail_after_commit_s": round(after_commit, 2),  # what of it outlasts the refit
@@ -690,18 +739,27 @@ def report(r: Refit) -> None:
         f"repair {mib(r.repair)}; uploaded {mib(r.uploaded)}, downloaded {mib(r.downloaded)} per receiver"
     )
     mode = r.extra.get("receiver_mode", "pull")
+    commit = f"commit {st['commit']:.2f} s"
     if mode == "pull":
         receiver = f"pull {st['pull']:.2f} s, apply {st['apply']:.2f} s"
+    elif mode == "waiting":
+        process = max(r.extra.get("receiver_process_s", {0: 0.0}).values())
+        receiver = (
+            f"apply --wait --verify --ack from the publication to its exit {st['apply']:.2f} s (one process, "
+            f"waiting when the producer started: {process:.2f} s in all)"
+        )
+        commit = (
+            f"commit --wait after the last receiver's exit {st['commit']:.2f} s "
+            f"(waiting when the producer started: {r.extra.get('commit_process_s', 0.0):.2f} s in all)"
+        )
     else:
         receiver = f"apply from the store (download overlapped) {st['apply']:.2f} s"
     if mode == "oneshot":
-        receiver += " (with --verify --ack)"
-    else:
+        receiver += " (one process: apply --verify --ack)"
+    elif mode != "waiting":
         receiver += f", verify {st['verify']:.2f} s, ack {st['ack']:.2f} s"
-    print(
-        f"    critical path {r.critical:.2f} s = producer {producer} | slowest receiver {receiver} "
-        f"| commit {st['commit']:.2f} s"
-    )
+    print(f"    [receiver mode {mode}] critical path {r.critical:.2f} s = producer {producer}")
+    print(f"      | slowest receiver {receiver} | {commit}")
     if r.extra.get("repair_uploaded_after_publication"):
         after = r.extra["repair_tail_after_commit_s"]
         ends = (
@@ -822,11 +880,12 @@ def main() -> None:
     ap.add_argument("--producer", choices=["seq", "overlap"], default="seq", help="diff then push, or diff --push")
     ap.add_argument(
         "--receiver-mode",
-        default="stream",
-        help="comma-separated, each measured in turn: pull (pull, then apply the local copy), stream (apply "
-        "straight from the store: the download overlaps the first pass; then verify, then ack), oneshot (all "
-        "of that in one dcr apply --verify --ack). A local store has no throttle but --limit-rate, which only "
-        "pull takes: its receivers always pull",
+        default="oneshot,waiting",
+        help="comma-separated, each measured in turn: oneshot (apply STORE --version V --into --verify --ack, one "
+        "process started at the publication), waiting (the same with --wait, and commit --wait, started with the "
+        "producer), stream (apply straight from the store, then verify, then ack: three processes), pull (pull, "
+        "then apply the local copy). A local store has no throttle but --limit-rate, which only pull takes: its "
+        "receivers always pull",
     )
     ap.add_argument(
         "--reference-sample-mib",
@@ -848,9 +907,9 @@ def main() -> None:
             args.stores = "s3"
         args.reference_sample_mib = min(args.reference_sample_mib, 32) or 32
     args.moe_size = args.moe_size or min(args.size, 1.0)
-    bad_modes = set(args.receiver_mode.split(",")) - {"pull", "stream", "oneshot"}
+    bad_modes = set(args.receiver_mode.split(",")) - {"pull", "stream", "oneshot", "waiting"}
     if bad_modes:
-        ap.error(f"unknown receiver modes {sorted(bad_modes)}; choose from pull, stream, oneshot")
+        ap.error(f"unknown receiver modes {sorted(bad_modes)}; choose from oneshot, waiting, stream, pull")
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in DENSE_STEPS and c not in MOE_STEPS]
     if unknown:

@@ -20,7 +20,7 @@ from .delta.reader import Delta, DeltaLike
 from .delta.summary import DiffSummary
 from .errors import DcrError
 from .receive import plan as receiver_plan
-from .receive.checkpoint import ApplyResult, expand_deltas
+from .receive.checkpoint import ApplyResult, expand_deltas, warm_up
 from .receive.checkpoint import apply as apply_checkpoint
 from .receive.verify import VerifyReport
 from .receive.verify import verify as verify_checkpoint
@@ -30,16 +30,25 @@ if TYPE_CHECKING:
 
 
 def resolve(
-    deltas: DeltaLike | Sequence[DeltaLike], version: str | None, storage_options: dict[str, Any] | None
+    deltas: DeltaLike | Sequence[DeltaLike],
+    version: str | None,
+    storage_options: dict[str, Any] | None,
+    wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> list[DeltaLike]:
-    """Store URLs become the Delta of one version (``version``, default the newest); the rest is kept."""
+    """Store URLs become the Delta of one version (``version``, default the newest); the rest is kept.
+
+    ``wait``: the one location given is a store URL where ``version`` may not be published yet (nor the
+    store created): wait up to that many seconds for it."""
     from .store import is_store, open_delta
 
     given = [deltas] if isinstance(deltas, (str, os.PathLike, Delta)) else list(deltas)
+    if wait is not None and (version is None or len(given) != 1 or isinstance(given[0], Delta)):
+        raise DcrError("--wait needs one store URL and --version: the version to wait for")
     out: list[DeltaLike] = []
     for d in given:
-        if isinstance(d, (str, os.PathLike)) and is_store(os.fspath(d), storage_options):
-            out.append(open_delta(os.fspath(d), version, storage_options=storage_options))
+        if isinstance(d, (str, os.PathLike)) and (wait is not None or is_store(os.fspath(d), storage_options)):
+            out.append(open_delta(os.fspath(d), version, storage_options=storage_options, wait=wait, on_wait=on_wait))
         else:
             out.append(d)
     if version is not None and not any(isinstance(d, Delta) for d in out):
@@ -47,10 +56,21 @@ def resolve(
     return out
 
 
-def _acknowledge(url: str, receiver: str, version: str, fp: str, storage_options: dict[str, Any] | None) -> None:
+def _acknowledge(
+    url: str,
+    receiver: str,
+    version: str,
+    fp: str,
+    storage_options: dict[str, Any] | None,
+    opened: Sequence[DeltaLike] = (),
+) -> None:
     from .store import acknowledge
+    from .store.repo import StoreBlockSource
 
-    acknowledge(url, version, receiver, fingerprint=fp, storage_options=storage_options)
+    # The store the deltas came from, if it is the one acknowledged on: its client and marker are ready.
+    stores = [d.source.store for d in opened if isinstance(d, Delta) and isinstance(d.source, StoreBlockSource)]
+    store = next((s for s in stores if s.url == url), None)
+    acknowledge(url, version, receiver, fingerprint=fp, storage_options=storage_options, store=store)
 
 
 def _ack_pair(ack: str | None, receiver: str | None) -> None:
@@ -70,15 +90,24 @@ def apply(
     workers: int | None = None,
     verify: bool = False,
     log: Callable[[str], None] | None = None,
+    wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> ApplyResult:
     """Bring checkpoint directory ``into`` to the target of ``deltas`` (receive/checkpoint), then ack it.
 
     ``since``: with one store URL, the receiver is at committed version ``since``; the cheapest path by
     bytes among the chain and the store's shortcuts is applied (store-v1 §6).
+    ``wait``: with one store URL and ``version``, wait up to that many seconds for the version to be
+    published (a receiver started before its producer publishes: its start-up is off the refit's path);
+    ``on_wait`` is told what it waits for, once, when it starts waiting.
     """
     _ack_pair(ack, receiver)
+    if wait is not None and since is not None:
+        raise DcrError("--wait and --since do not go together: --wait waits for one --version")
+    if wait is not None:
+        warm_up()  # while nothing is published yet: the first item then decodes at full speed
     chosen = _catch_up(deltas, since, version, storage_options, log) if since is not None else None
-    opened = chosen if chosen is not None else resolve(deltas, version, storage_options)
+    opened = chosen if chosen is not None else resolve(deltas, version, storage_options, wait, on_wait)
     try:
         result = apply_checkpoint(opened, into=into, workers=workers, verify=verify, log=log)
     finally:
@@ -86,7 +115,7 @@ def apply(
             if isinstance(d, Delta):
                 d.cancel_fetches()
     if ack and receiver:
-        _acknowledge(ack, receiver, result.version, result.fingerprint, storage_options)
+        _acknowledge(ack, receiver, result.version, result.fingerprint, storage_options, opened)
     return result
 
 

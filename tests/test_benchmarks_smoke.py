@@ -43,6 +43,20 @@ def test_bench_refit_tiny(tmp_path: Path) -> None:
     assert "RssAnon" in out and "apply" in out
 
 
+def test_bench_refit_tiny_s3_receiver_modes(tmp_path: Path) -> None:
+    """The one-process receiver (oneshot) and the waiting one (apply --wait, commit --wait) over moto."""
+    out = bench(
+        "bench_refit.py",
+        *("--size", "0.02", "--cases", "u3", "--links", "1G", "--receivers", "1", "--stores", "s3"),
+        *("--producer", "overlap", "--receiver-mode", "oneshot,waiting", "--reference-sample-mib", "4"),
+        tmp=tmp_path,
+    )
+    assert "[receiver mode oneshot] critical path" in out and "[receiver mode waiting] critical path" in out, out
+    assert "apply --wait --verify --ack from the publication to its exit" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("s3 1 Gbit/s x1")]
+    assert [r[-1] for r in rows] == ["oneshot", "waiting"], out
+
+
 def test_bench_moe_tiny(tmp_path: Path) -> None:
     out = bench("bench_moe.py", "--layers", "2", "--experts", "8", "--repeats", "1", "--top", "3", tmp=tmp_path)
     assert "manifest per changed tensor" in out

@@ -589,3 +589,39 @@ def test_store_modules_are_not_shadowed_by_api_names() -> None:
         assert isinstance(importlib.import_module(f"dcr_cli.store.{name}"), types.ModuleType)
     for name in ("push", "pull", "pull_since", "commit", "acknowledge", "status", "log", "gc", "check", "open_delta"):
         assert callable(getattr(dcr_cli, name)) and getattr(dcr_cli, name) is getattr(package, name)
+
+
+def test_push_takes_the_uploaders_blocks_as_present_but_checks_them_before_the_record(
+    tmp_path: Path, deltas: tuple[list[Path], list[Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dcr diff --push: push(fresh=...) does not ask again about the blocks its uploader just wrote, except in
+    the check just before the record (so a block that vanished meanwhile still stops the publication)."""
+    from dcr_cli.store import repo
+    from dcr_cli.store.streaming import BlockUploader
+    from dcr_cli.store.transfer import split_roles
+
+    _, (d1, *_) = deltas
+    manifest = Delta.open(d1).manifest
+    data, repair = split_roles(manifest)
+    for url in (str(tmp_path / "store"), str(tmp_path / "gone")):
+        uploader = BlockUploader(url)
+        for block in data:
+            uploader(block.id, (d1 / "blocks" / block.id).read_bytes())
+        uploader.wait()
+        assert uploader.uploaded == {b.id: b.size for b in data}
+    asked: list[str] = []
+    stat = repo.Store.stat
+
+    def counting_stat(self: repo.Store, rel: str) -> repo.Listing | None:
+        asked.append(rel)
+        return stat(self, rel)
+
+    monkeypatch.setattr(repo.Store, "stat", counting_stat)
+    result = push(d1, str(tmp_path / "store"), fresh=uploader.uploaded)
+    assert result.uploaded_blocks == len(repair) and not result.already_published
+    data_asked = [a for a in asked if a.removeprefix("blocks/") in {b.id for b in data}]
+    assert sorted(data_asked) == sorted(f"blocks/{b.id}" for b in data)  # once each: before the record
+    Store(str(tmp_path / "gone")).delete(f"blocks/{data[0].id}")  # a gc between the upload and the push
+    with pytest.raises(ConflictError, match="vanished during the push"):
+        push(d1, str(tmp_path / "gone"), fresh=uploader.uploaded)
+    assert Store(str(tmp_path / "gone")).version("v1") is None

@@ -333,3 +333,23 @@ def test_a_push_to_s3_streams_large_blocks_as_multipart_uploads(
     assert result.uploaded_blocks == 1 and result.uploaded_bytes == block.size
     assert fs.cat_file(f"{s3_url.removeprefix('s3://')}/blocks/{block.id}") == good
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+def test_streamed_blocks_start_small_so_the_upload_starts_early(tmp_path: Path) -> None:
+    """With on_block (dcr diff --push) the first data block is cut at 1 MiB, then 2, 4, 8, 8, ... MiB."""
+    import numpy as np
+
+    from dcr_cli.delta.writer import FIRST_STREAMED_BLOCK_BYTES, STREAMED_BLOCK_BYTES, DeltaWriter
+    from dcr_cli.format.codec import EncodedItem
+    from dcr_cli.format.manifest import Region
+
+    sizes: list[int] = []
+    writer = DeltaWriter(tmp_path / "d", on_block=lambda _id, data: sizes.append(len(data)))
+    chunk = np.random.default_rng(3).integers(0, 256, 1 << 18, dtype=np.uint8).tobytes()  # 256 KiB a section
+    for i in range(110):  # 27.5 MiB of data sections
+        item = EncodedItem(f"t{i:03d}", Region.range(0, 1 << 17), "overwrite", 1 << 17, chunk, 0, "0" * 64, "0" * 64)
+        writer.add(item)
+    writer.abort()
+    mib = 1 << 20
+    assert mib == FIRST_STREAMED_BLOCK_BYTES and 8 * mib == STREAMED_BLOCK_BYTES
+    assert sizes[:5] == [mib, 2 * mib, 4 * mib, 8 * mib, 8 * mib], sizes

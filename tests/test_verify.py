@@ -153,3 +153,56 @@ def test_damaged_recorded_table_is_a_clear_error(applied: tuple[Path, Path], tab
     (recv / ".dcr" / "table.json").write_text(table)
     code, _, err = run_cli("verify", recv)
     assert code == 2 and "no tensor table" in err
+
+
+def _two_versions(tmp_path: Path) -> tuple[Path, Path]:
+    """(receiver at v0, delta v0 -> v1 that touches "a" and "b" and leaves "c" and "unchanged")."""
+    rng = np.random.default_rng(11)
+    t0 = random_tensors(rng, SPECS)
+    write_checkpoint(tmp_path / "v0", t0, shards=2)
+    write_checkpoint(tmp_path / "v1", mutate(rng, t0, 0.2, names=["a", "b"]), shards=2)
+    diff(tmp_path / "v0", tmp_path / "v1", tmp_path / "d", base_version="v0", target_version="v1")
+    return copy_checkpoint(tmp_path / "v0", tmp_path / "recv"), tmp_path / "d"
+
+
+def test_apply_verify_digests_each_tensor_once_after_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--verify reuses the proof's read-back digests of the touched tensors and reads only the others."""
+    from dcr_cli.receive.checkpoint import inplace
+
+    recv, delta = _two_versions(tmp_path)
+    digested: list[str] = []
+    real = inplace.InPlaceFiles.digest
+
+    def counting(self: inplace.InPlaceFiles, name: str) -> str:
+        digested.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(inplace.InPlaceFiles, "digest", counting)
+    dcr_cli.apply(delta, into=recv)  # records the state (the base table is known from here on)
+    # Back to v0 by a reverse delta, then forward again with --verify: the base table is known.
+    diff(tmp_path / "v1", tmp_path / "v0", tmp_path / "back", base_version="v1", target_version="v0")
+    dcr_cli.apply(tmp_path / "back", into=recv)
+    digested.clear()
+    result = dcr_cli.apply(delta, into=recv, verify=True)
+    assert sorted(digested) == ["a", "b", "c", "unchanged"]  # each once: a, b by the proof, c, unchanged by verify
+    assert result.verified is not None and result.verified["ok"] is True
+    assert result.verified["read_back"] == 2 and result.verified["tensors"] == 4
+    separate = dcr_cli.verify(recv, against=delta)  # the same report as dcr verify, but for the reuse count
+    assert {**separate.to_json(), "seconds": 0, "read_back": 2} == {**result.verified, "seconds": 0}
+
+
+def test_apply_verify_still_reads_what_the_proof_did_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor the apply did not touch, damaged after its proof, is found by --verify (it reads it)."""
+    from dcr_cli.receive.checkpoint import applier
+
+    recv, delta = _two_versions(tmp_path)
+    real = applier._Proof.finish
+
+    def finish_then_damage(self: applier._Proof, workers: int) -> dict[str, str]:
+        out = real(self, workers)
+        flip_bit(recv, "unchanged", 2)
+        return out
+
+    monkeypatch.setattr(applier._Proof, "finish", finish_then_damage)
+    code, out, err = run_cli("apply", delta, "--into", recv, "--verify")
+    assert code == 1 and "MISMATCH" in err and "unchanged" in err, (out, err)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 from ..errors import DcrError
@@ -20,12 +22,24 @@ from .vllm_cmd import VLLM_OPTION_HELP, apply_vllm
 )
 @click.option("--vllm", "vllm_url", metavar="URL", help=VLLM_OPTION_HELP)
 @click.option("--workers", type=click.IntRange(min=1), help="Threads to use (default: all cores).")
-@click.option("--verify", "verify_after", is_flag=True, help="Re-digest every tensor afterwards (as dcr verify).")
+@click.option(
+    "--verify",
+    "verify_after",
+    is_flag=True,
+    help="Check every tensor afterwards, as dcr verify (the touched ones by the apply's own read-back).",
+)
 @click.option("--version", help="With a store URL: the version to apply (default: the store's newest).")
 @click.option(
     "--since",
     metavar="VERSION",
     help="With a store URL: the receiver is at committed VERSION; apply the cheapest path (chain or shortcuts).",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="With a store URL and --version: wait up to SECONDS for the version to be published (start the "
+    "receiver before the producer publishes); exit 4 if it is not.",
 )
 @click.option("--ack", "ack_url", metavar="URL", help="After applying, acknowledge the version on this store.")
 @click.option("--receiver", help="This receiver's name, for --ack.")
@@ -40,6 +54,7 @@ def command(
     verify_after: bool,
     version: str | None,
     since: str | None,
+    wait: float | None,
     ack_url: str | None,
     receiver: str | None,
     storage_option: tuple[str, ...],
@@ -57,7 +72,7 @@ def command(
         raise DcrError("give exactly one receiver: --into CHECKPOINT_DIR or --vllm URL")
     options = parse_storage_options(storage_option)
     if vllm_url:
-        if version is not None:
+        if version is not None or wait is not None:
             raise DcrError("with --vllm, pass delta directories the engine can read (dcr pull a store's version first)")
         apply_vllm(deltas, vllm_url, ack_url, receiver, options, as_json)
         return
@@ -73,6 +88,8 @@ def command(
         workers=workers,
         verify=verify_after,
         log=None if as_json else say,
+        wait=wait,
+        on_wait=_waiting(wait),
     )
     if as_json:
         emit_json(result.to_json())
@@ -81,3 +98,8 @@ def command(
             say(result.message)
         if ack_url:
             say(f"acknowledged {result.version} as {receiver!r} on {ack_url}")
+
+
+def _waiting(wait: float | None) -> Callable[[str], None]:
+    """What --wait prints on stderr (also with --json) once it is waiting: the command is then ready."""
+    return lambda what: say(f"waiting up to {wait:g} s for {what}", err=True)

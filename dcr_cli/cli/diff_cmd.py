@@ -153,7 +153,7 @@ def command(
                 say(f"{push_url}: published {result.version} (repair blocks follow)", err=True)
 
         options = parse_storage_options(storage_option)
-        pushed = push(out, push_url, storage_options=options, on_published=published)
+        pushed = push(out, push_url, storage_options=options, on_published=published, fresh=uploader.uploaded)
     if summary is None:
         from ..delta.parts import part_dir, try_assemble_last
 

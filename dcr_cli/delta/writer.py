@@ -116,6 +116,9 @@ class _StagedBlock:
 
 # Blocks handed to ``on_block`` (uploaded while the delta is still being built) are cut at this size.
 STREAMED_BLOCK_BYTES = 8 << 20
+# ... the first of them at this size, and each next one twice the last up to STREAMED_BLOCK_BYTES: the
+# upload (the link) starts after 1 MiB of the delta has been built, not after 8 MiB.
+FIRST_STREAMED_BLOCK_BYTES = 1 << 20
 
 
 class _Written:
@@ -143,7 +146,8 @@ class _BlockPacker:
         self.staged: _StagedBlock | None = None
         self.started = 0  # blocks begun (names the staged files apart)
         self.digest_bytes = SECTION_DIGEST_BYTES[writer.major]
-        self.block_bytes = writer.block_bytes
+        ramp = writer.on_block is not None and writer.block_bytes == STREAMED_BLOCK_BYTES
+        self.limit = min(FIRST_STREAMED_BLOCK_BYTES, writer.block_bytes) if ramp else writer.block_bytes
 
     def add(self, item_index: int, field: str, data: bytes) -> None:
         n = len(data)
@@ -163,7 +167,7 @@ class _BlockPacker:
         staged.buffered += n
         if staged.buffered >= WRITE_BYTES or n >= _WRITE_AT_ONCE:
             staged.drain()
-        if self.size >= self.block_bytes:
+        if self.size >= self.limit:
             self.flush()
 
     def flush(self) -> None:
@@ -179,6 +183,7 @@ class _BlockPacker:
             self.buffer = bytearray()
         self.size = 0
         self.pending = []
+        self.limit = min(2 * self.limit, self.writer.block_bytes)
 
     def close(self) -> None:
         if self.staged is not None:

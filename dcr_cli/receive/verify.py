@@ -4,12 +4,18 @@ Every tensor is digested (BLAKE3 of its stored bytes, read with pread in bounded
 changed or not, and compared with a
 tensor table: a delta's target table, or the table a receiver recorded when it
 last reached a version (format_spec/receiver-checkpoint.md §5).
+
+``dcr apply --verify`` calls this under its lock with the digests its own read-back proof just
+computed (``read_back``): those tensors were read from the files after the last write, so they are
+not read a second time; every other tensor is. Each tensor is digested once after the write either
+way, and the report is the same.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +45,7 @@ class VerifyReport:
     missing: list[str] = field(default_factory=list)  # expected, absent from the checkpoint
     unexpected: list[str] = field(default_factory=list)  # present, not expected
     layout: list[str] = field(default_factory=list)  # dtype or shape differs
+    read_back: int = 0  # tensors whose digest an apply's read-back proof computed in this process (not read again)
 
     @property
     def bad(self) -> list[str]:
@@ -88,11 +95,15 @@ def verify(
     *,
     against: str | os.PathLike[str] | Delta | None = None,
     workers: int | None = None,
+    read_back: Mapping[str, str] | None = None,
 ) -> VerifyReport:
     """Digest every tensor of ``checkpoint`` and compare with the expected table.
 
     ``against`` is a delta (path, URL or :class:`Delta`) whose target table is expected. Without
     it, the table recorded in CKPT/.dcr by the last ``dcr apply`` is expected.
+    ``read_back``: tensor name -> digest of tensors the caller read back from these very files after
+    its last write to them, with nothing able to write them since (``dcr apply --verify``, under the
+    receiver's lock); they are not read again.
     Returns a report; it raises only when there is nothing to compare with.
     """
     root = Path(checkpoint)
@@ -122,9 +133,14 @@ def verify(
         expected, expected_version, label = recorded, state.version, "state"
         expected_fp = state.fingerprint  # read_recorded_table returns only a table of that fingerprint
     started = time.perf_counter()
+    known = read_back or {}
     with SafetensorsCheckpoint(root) as ckpt, InPlaceFiles(dict(ckpt.tensors)) as files:
-        actual = digest_tensors(files, workers or default_workers())
-        nbytes = sum(t.nbytes for t in ckpt.tensors.values())
+        locations = ckpt.tensors
+        rest = [n for n in locations if n not in known]
+        actual = digest_tensors(files, workers or default_workers(), rest) if rest else {}
+        reused = {n: TensorEntry(loc.dtype, loc.shape, known[n]) for n, loc in locations.items() if n in known}
+        actual = {**actual, **reused} if reused else actual
+        nbytes = sum(t.nbytes for t in locations.values())
     seconds = time.perf_counter() - started
     mismatched, missing, unexpected, layout = compare_tables(expected, actual)
     ok = not (mismatched or missing or unexpected or layout)
@@ -144,4 +160,5 @@ def verify(
         missing=missing,
         unexpected=unexpected,
         layout=layout,
+        read_back=len(reused),
     )

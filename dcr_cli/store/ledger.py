@@ -8,7 +8,9 @@ head of that chain is the only base a producer may diff against.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ from .repo import (
     dumps,
     is_label,
     parse_record,
+    poll,
     utc_now,
 )
 
@@ -42,14 +45,16 @@ def acknowledge(
     *,
     fingerprint: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    store: Store | None = None,
 ) -> dict[str, Any]:
     """Record that ``receiver`` holds ``version``. Idempotent.
 
     ``fingerprint``, when given, is what the receiver verified it holds; it
-    must be the version's target fingerprint.
+    must be the version's target fingerprint. ``store``: the Store of ``url`` the caller has open
+    already (its marker read once: one round trip less).
     """
     check_label(receiver, "receiver")
-    store = Store(url, storage_options)
+    store = store if store is not None and store.url == url else Store(url, storage_options)
     store.require_marker()
     record = store.require_version(version)
     if fingerprint is not None and fingerprint != record.target.fingerprint:
@@ -114,20 +119,69 @@ def commit(
     quorum: int | None = None,
     storage_options: dict[str, Any] | None = None,
     allow_unsafe_publish: bool = False,
+    wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> CommitResult:
     """Make ``version`` the committed head once the named receivers (or a quorum) acknowledged it.
 
     With receivers and a quorum, ``quorum`` of the named receivers suffice;
     with a quorum alone, any receivers count. Missing acknowledgements raise
-    NotReadyError (exit 4) and write nothing: run it again later.
+    NotReadyError (exit 4) and write nothing: run it again later. ``wait``: seconds to wait
+    for the store, the version and the acknowledgements instead (a producer that starts its commit
+    with the refit: its start-up is off the refit's path); the acknowledgements are listed every
+    POLL_S and the commit is tried whenever a new one appears, with every check as without it.
+    ``on_wait`` is told what it waits for, once, when it starts waiting.
     """
+    _check_commit_args(receivers, quorum)
+    if wait is None:
+        return _commit(url, version, receivers, quorum, storage_options, allow_unsafe_publish)
+    deadline = time.monotonic() + wait
+    store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
+    check_label(version, "version")
+    poll(store.marker, deadline, f"{url}: a dcr store", on_wait)
+    poll(lambda: store.version(version), deadline, f"{url}: version {version!r}", on_wait)
+    while True:
+        seen = _ack_names(store, version)
+        try:
+            return _commit(url, version, receivers, quorum, storage_options, allow_unsafe_publish, store)
+        except NotReadyError:
+            if time.monotonic() >= deadline:
+                raise
+        # Until an acknowledgement appears, one listing per poll (a commit attempt asks several questions).
+        what = f"a new acknowledgement of {version!r}"
+        poll(functools.partial(_new_acks, store, version, seen), deadline, what, on_wait)
+        on_wait = None
+
+
+def _ack_names(store: Store, version: str) -> set[tuple[str, int, float | None]]:
+    return {(e.name, e.size, e.mtime) for e in store.list(f"{ACKS}/{version}")}
+
+
+def _new_acks(
+    store: Store, version: str, seen: set[tuple[str, int, float | None]]
+) -> set[tuple[str, int, float | None]] | None:
+    return (_ack_names(store, version) - seen) or None
+
+
+def _check_commit_args(receivers: Sequence[str], quorum: int | None) -> None:
     for name in receivers:
         check_label(name, "receiver")
     if not receivers and quorum is None:
         raise DcrError("name the receivers that must acknowledge (--receiver, repeatable) or set --quorum N")
     if quorum is not None and (quorum < 1 or (receivers and quorum > len(set(receivers)))):
         raise DcrError(f"--quorum {quorum} must be between 1 and the number of named receivers")
-    store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
+
+
+def _commit(
+    url: str,
+    version: str,
+    receivers: Sequence[str],
+    quorum: int | None,
+    storage_options: dict[str, Any] | None,
+    allow_unsafe_publish: bool,
+    store: Store | None = None,
+) -> CommitResult:
+    store = store or Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
     store.require_marker()
     store.require_atomic_publish()
     record = store.require_version(version)

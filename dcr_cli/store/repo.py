@@ -24,6 +24,7 @@ import builtins
 import contextlib
 import json
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 from ..delta.reader import STORE_MANIFESTS
 from ..delta.source import BlockSource
-from ..errors import DcrError, FormatError, IntegrityError
+from ..errors import DcrError, FormatError, IntegrityError, NotReadyError
 from ..format.digest import digest_bytes, is_digest
 from ..format.manifest import BlockEntry
 from ..format.strict_json import load_json
@@ -54,6 +55,7 @@ COMPLETE = "complete"  # complete/<version>: every block of the version, repair 
 LATEST = "latest.json"
 
 MAX_RECORD_BYTES = 1 << 20
+POLL_S = 0.05  # between two questions of a command that waits (--wait) for something to appear on a store
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -237,6 +239,23 @@ class Listing:
     name: str
     size: int
     mtime: float | None  # seconds since the epoch, when the backend says
+
+
+def poll(probe: Callable[[], T | None], deadline: float, what: str, on_wait: Callable[[str], None] | None = None) -> T:
+    """``probe()`` until it returns something, asked every POLL_S until ``deadline`` (time.monotonic);
+    then NotReadyError (exit 4) saying ``what`` did not appear. ``on_wait(what)`` is called once, when
+    the first answer is no (the caller is then ready and waiting)."""
+    while True:
+        found = probe()
+        if found is not None:
+            return found
+        if on_wait is not None:
+            on_wait(what)
+            on_wait = None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NotReadyError(f"{what} did not appear in time; nothing was done — run it again (or wait longer)")
+        time.sleep(min(POLL_S, left))
 
 
 class Store:

@@ -5,11 +5,14 @@ overlap the diff of later tensors. Only data blocks: repair blocks (``roles``; t
 honours it) stay on local disk until the version is published. When the diff is done, an ordinary
 ``push`` publishes the version: it finds the data blocks already there, uploads the manifest and the
 record, then the repair blocks (store-v1 §4.1), so all of its guarantees (base check, create-only
-publication, resume after a kill) stay as they are.
+publication, resume after a kill) stay as they are. It is told which blocks this uploader has just
+written (``uploaded``), so it does not ask the store about them again before the manifest; it still
+checks every data block is there just before it writes the record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -43,7 +46,15 @@ class BlockUploader:
         self._futures: list[Future[None]] = []
         self.uploaded_blocks = 0
         self.uploaded_bytes = 0
+        self.uploaded: dict[str, int] = {}  # id -> size of each block this uploader wrote (push(fresh=...))
         self._count_lock = threading.Lock()
+        # The store client's first request sets up its session and connection (tenths of a second): ask it
+        # now, while the diff builds the first block, not when that block is ready to go.
+        self._futures.append(self._pool.submit(self._connect))
+
+    def _connect(self) -> None:
+        with contextlib.suppress(Exception):  # only a warm-up: the uploads ask again and report their own errors
+            self.store.marker()
 
     def __call__(self, block_id: str, data: bytes) -> None:
         with self._cond:
@@ -62,6 +73,7 @@ class BlockUploader:
             with self._count_lock:
                 self.uploaded_blocks += 1
                 self.uploaded_bytes += len(data)
+                self.uploaded[block_id] = len(data)
         finally:
             with self._cond:
                 self._waiting -= 1

@@ -23,7 +23,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -52,6 +52,7 @@ from .repo import (
     VersionRecord,
     check_label,
     dumps,
+    poll,
     utc_now,
 )
 
@@ -207,6 +208,7 @@ def push(
     allow_unsafe_publish: bool = False,
     verify_remote: bool = False,
     on_published: Callable[[PushResult], None] | None = None,
+    fresh: Mapping[str, int] | None = None,
 ) -> PushResult:
     """Publish the delta at ``delta`` as version ``<its target version>`` on the store at ``url``.
 
@@ -223,7 +225,10 @@ def push(
     read), so that they stay off the critical path of a refit. ``on_published`` is called the
     moment the version is visible (receivers can fetch and apply it), with the result so far
     (``repair_pending`` True); the call returns only once the repair blocks are uploaded too. A
-    push killed after publication is completed by running it again.
+    push killed after publication is completed by running it again. ``fresh``: id -> size of blocks
+    the caller wrote to this store moments ago (``dcr diff --push``'s uploads): they are taken as
+    present and young without asking; the check that every data block is there, just before the
+    record is written, asks about them as about every other.
     """
     started = time.monotonic()
     source = Delta.open(delta)
@@ -259,7 +264,9 @@ def push(
     uploader = _Uploader(store, source, workers, limiter, progress)
 
     # -- data blocks, manifest, record: after these the version is visible
-    missing, kept, refreshed = uploader.plan(data_blocks, verify_remote, refresh=existing is None)
+    missing, kept, refreshed = uploader.plan(
+        data_blocks, verify_remote, refresh=existing is None, fresh=None if verify_remote else fresh
+    )
     uploader.upload(missing)
     uploader.upload(refreshed, counted=True)  # progress was counted with the present blocks
 
@@ -370,10 +377,20 @@ class _Uploader:
         self.chunk_bytes = S3_PART_BYTES if store.capabilities.streamed_writes else CHUNK_BYTES
 
     def plan(
-        self, blocks: list[BlockEntry], verify_remote: bool, *, refresh: bool
+        self,
+        blocks: list[BlockEntry],
+        verify_remote: bool,
+        *,
+        refresh: bool,
+        fresh: Mapping[str, int] | None = None,
     ) -> tuple[list[BlockEntry], list[BlockEntry], list[BlockEntry]]:
-        """(absent or wrong: upload, present: keep, present but old: write again) for these blocks (§4.1 step 4)."""
-        found = stat_blocks(self.store, blocks, self.workers)
+        """(absent or wrong: upload, present: keep, present but old: write again) for these blocks (§4.1 step 4);
+        blocks in ``fresh`` (id -> size, just written by the caller) count as present and young unasked."""
+        known = {b.id for b in blocks if fresh is not None and fresh.get(b.id) == b.size}
+        asked = [b for b in blocks if b.id not in known]
+        found: dict[str, Listing | None] = stat_blocks(self.store, asked, self.workers)
+        now = time.time()
+        found.update((b.id, Listing(b.id, b.size, now)) for b in blocks if b.id in known)
         missing = [b for b in blocks if (e := found[b.id]) is None or e.size != b.size]
         if verify_remote:
             missing += _corrupt_on_store(self.store, [b for b in blocks if b not in missing], self.workers)
@@ -382,7 +399,6 @@ class _Uploader:
         # A block the store holds already may belong to a version a concurrent dcr gc is dropping. Writing
         # it again makes it young, and gc removes a block only while it is older than its grace period
         # (checked afresh just before removing it): so no block this version needs can vanish.
-        now = time.time()
         refreshed = [b for b in kept if _written_before(found[b.id], now - REFRESH_S)] if refresh else []
         if self.progress is not None:
             self.progress(sum(b.size for b in kept))
@@ -767,14 +783,32 @@ def _local_block_ok(path: Path, block: BlockEntry) -> bool:
 # -- reading a version in place ----------------------------------------------------------------------------------------
 
 
-def open_version(url: str, version: str | None = None, *, storage_options: dict[str, Any] | None = None) -> Delta:
+def open_version(
+    url: str,
+    version: str | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
+) -> Delta:
     """Open a stored version as a Delta that reads its blocks straight from the store.
 
     The manifest is checked against the digest in the version record, every section against the
     manifest. The Delta's location, ``STORE/manifests/<digest>.json``, opens the same delta again
     with ``Delta.open`` (e.g. in a vLLM worker; credentials then come from the environment).
+    ``wait``: seconds to wait for the store and ``version`` to be published (a receiver started
+    before its producer publishes); NotReadyError (exit 4) if they are not there by then. ``on_wait`` is
+    told what it waits for, once, when it starts waiting.
     """
     store = Store(url, storage_options)
+    if wait is not None:
+        if version is None:
+            raise DcrError("--wait needs --version: the version to wait for")
+        check_label(version, "version")
+        deadline = time.monotonic() + wait
+        poll(store.marker, deadline, f"{url}: a dcr store", on_wait)
+        record = poll(lambda: store.version(version), deadline, f"{url}: version {version!r}", on_wait)
+        return open_record(store, record, f"{url} (version {record.version})")
     store.require_marker()
     record = resolve(store, version)
     return open_record(store, record, f"{url} (version {record.version})")
@@ -798,10 +832,19 @@ def open_record(store: Store, record: VersionRecord, label: str) -> Delta:
     )
 
 
-def open_delta(location: str, version: str | None = None, *, storage_options: dict[str, Any] | None = None) -> Delta:
-    """Open a delta given either a delta directory (path or URL) or a store URL (plus an optional version)."""
-    if is_store(location, storage_options):
-        return open_version(location, version, storage_options=storage_options)
+def open_delta(
+    location: str,
+    version: str | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
+) -> Delta:
+    """Open a delta given either a delta directory (path or URL) or a store URL (plus an optional version).
+
+    ``wait`` (with a version): the location is a store, maybe not created yet; wait for the version."""
+    if wait is not None or is_store(location, storage_options):
+        return open_version(location, version, storage_options=storage_options, wait=wait, on_wait=on_wait)
     if version is not None:
         raise DcrError(f"{location} is a delta, not a store: --version does not apply")
     return Delta.open(location)

@@ -9,7 +9,7 @@ The item logic shared with the vLLM receiver is in ``receive/plan.py``.
 
 from __future__ import annotations
 
-from .applier import ApplyResult, StepResult, apply, expand_deltas
+from .applier import ApplyResult, StepResult, apply, expand_deltas, warm_up
 from .state import ReceiverState, file_stats, read_recorded_table, read_state, write_state
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "file_stats",
     "read_recorded_table",
     "read_state",
+    "warm_up",
     "write_state",
 ]

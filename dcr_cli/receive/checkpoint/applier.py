@@ -38,7 +38,17 @@ from ...io.gc_pause import fewer_collections
 from ...io.pool import Inline, default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .batch import Batch, prepare_batch
-from .inplace import SMALL_DIGEST_BYTES, InPlaceFiles, Run, digest_small, digest_tensors, runs_of
+from .inplace import BATCH_BYTES as DIGEST_BATCH_BYTES
+from .inplace import BATCH_TENSORS as DIGEST_BATCH_TENSORS
+from .inplace import (
+    SMALL_DIGEST_BYTES,
+    SMALL_TENSOR_BYTES,
+    InPlaceFiles,
+    Run,
+    digest_small,
+    digest_tensors,
+    runs_of,
+)
 from .state import (
     HISTORY_LENGTH,
     ReceiverState,
@@ -113,6 +123,7 @@ class ApplyResult:
     steps: list[StepResult]
     skipped: list[str]  # deltas already applied
     message: str
+    verified: dict | None = None  # with verify: the report (VerifyReport.to_json), as dcr verify --json prints it
 
     @property
     def noop(self) -> bool:
@@ -463,6 +474,21 @@ def _establish(
     return _Start(fp, _label(fp, opened), table, None, []), state
 
 
+def warm_up() -> None:
+    """Load what the first item's decode would load (zstd contexts, the compiled kernels from numba's
+    on-disk cache) by decoding tiny sections made here: a receiver that waits for a version
+    (``apply --wait``) does it before it starts waiting, so the first item of the refit does not."""
+    from ...format import codec
+    from ...format.dtypes import dtype as lookup_dtype
+
+    positions = np.array([0, 3, 300], dtype=np.int64)
+    codec.decode_positions(codec.encode_positions(positions), len(positions), 1000, "warm-up")
+    for name in ("BF16", "F32", "F64"):
+        dt = lookup_dtype(name)
+        values = np.arange(4, dtype=dt.uint)
+        codec.decode_values(codec.encode_values(values), len(values), dt, "warm-up")
+
+
 @fewer_collections()
 def apply(
     deltas: DeltaLike | Sequence[DeltaLike],
@@ -477,8 +503,9 @@ def apply(
     ``deltas`` is one delta (path, URL or :class:`Delta`), several (applied as a chain ordered by
     base -> target from the checkpoint's current version), or a local directory of deltas.
     Deltas already applied are skipped. A crash at any point is recovered by calling this again
-    with the same deltas (or any with the same base and target). ``verify`` re-digests the whole
-    checkpoint afterwards (``dcr verify``).
+    with the same deltas (or any with the same base and target). ``verify`` then checks every tensor
+    against the target table, still under the lock, as ``dcr verify`` does: the tensors the apply's
+    proof read back after its writes with the digests it computed, every other tensor by reading it.
     """
     root = Path(into)
     if not root.is_dir():
@@ -486,6 +513,9 @@ def apply(
     workers = workers or default_workers()
     say = log or (lambda _msg: None)
     opened = expand_deltas(deltas)
+    # Digests of tensors read back after their last write in this call, under the lock (the proofs):
+    # --verify does not read them again.
+    read_back: dict[str, str] = {}
     SafetensorsCheckpoint(root).close()  # a readable checkpoint (headers, names) before .dcr/ is created
     with receiver_lock(root), SafetensorsCheckpoint(root) as ckpt:
         # v1 deltas keep the layout, so every delta given must match it; checking first names the
@@ -519,7 +549,9 @@ def apply(
             steps: list[StepResult] = []
             base_table = start.table
             for d in plan:
-                steps.append(_apply_one(root, d, locations, workers, history, base_table, resumed=d is start.resume))
+                step, digests = _apply_one(root, d, locations, workers, history, base_table, resumed=d is start.resume)
+                steps.append(step)
+                read_back.update(digests)  # a later step's proof replaces an earlier one's for what it touched
                 base_table = d.manifest.tensors
                 step = steps[-1]
                 say(
@@ -539,9 +571,11 @@ def apply(
         if verify:  # still under the lock: nobody can change the files between apply and verify
             from ..verify import verify as verify_checkpoint
 
-            report = verify_checkpoint(root, against=plan[-1] if plan else None, workers=workers)
+            against = plan[-1] if plan else None
+            report = verify_checkpoint(root, against=against, workers=workers, read_back=read_back)
             if not report.ok:
                 raise VerifyFailed(report.summary())
+            result.verified = report.to_json()
             say(report.summary())
     return result
 
@@ -572,6 +606,88 @@ def _table_for(fp: str, deltas: list[Delta]) -> dict[str, TensorEntry] | None:
     return next((d.manifest.tensors for d in deltas if d.manifest.target.fingerprint == fp), None)
 
 
+class _Proof:
+    """The read-back proof and the fsyncs, overlapped with the write pass.
+
+    ``written(i)`` is called with each item's index once its outcome is in (every item up to it has
+    then been written: write_items yields in order). A tensor whose last item that is gets digested
+    on a pool of its own, read back from the file, while later items are still being written; a file
+    whose last item that is gets fsynced in the background. ``finish`` digests what is left (the
+    untouched tensors, where the base table is unknown), waits for every digest and fsync, and fsyncs
+    every written file once more (``files.sync``: nothing is left dirty by then, so it costs little and
+    does not depend on this bookkeeping). Nothing here writes; the state is written by the caller
+    after ``finish``, so a crash at any instant still leaves "applying" or the proven target.
+    """
+
+    def __init__(self, files: InPlaceFiles, items: Sequence[Item], names: Sequence[str], workers: int) -> None:
+        self.files = files
+        self.names = list(names)
+        wanted = set(names)
+        last_tensor: dict[str, int] = {}
+        last_file: dict[Path, int] = {}
+        for i, item in enumerate(items):
+            last_tensor[item.tensor] = i
+            last_file[files.locations[item.tensor].file] = i
+        self._tensors_at: dict[int, list[str]] = {}
+        for name, i in last_tensor.items():
+            if name in wanted:
+                self._tensors_at.setdefault(i, []).append(name)
+        self._files_at: dict[int, list[Path]] = {}
+        for file, i in last_file.items():
+            self._files_at.setdefault(i, []).append(file)
+        self._digest_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcr-proof")
+        self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcr-fsync")
+        self._digests: list[Future[list[tuple[str, str]]]] = []
+        self._syncs: list[Future[None]] = []
+        self._batch: list[str] = []
+        self._batch_bytes = 0
+        self._submitted: set[str] = set()
+
+    def written(self, i: int) -> None:
+        for name in self._tensors_at.get(i, ()):
+            self._add(name)
+        for file in self._files_at.get(i, ()):
+            self._syncs.append(self._sync_pool.submit(self.files.sync_file, file))
+
+    def _add(self, name: str) -> None:
+        """Small tensors are digested in batches (a task per tensor of a few KiB costs more than its hash)."""
+        self._submitted.add(name)
+        size = self.files.locations[name].nbytes
+        if size > SMALL_TENSOR_BYTES:
+            self._submit([name])
+            return
+        self._batch.append(name)
+        self._batch_bytes += size
+        if self._batch_bytes >= DIGEST_BATCH_BYTES or len(self._batch) >= DIGEST_BATCH_TENSORS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._submit(self._batch)
+            self._batch, self._batch_bytes = [], 0
+
+    def _submit(self, names: list[str]) -> None:
+        files = self.files
+        self._digests.append(self._digest_pool.submit(lambda: [(n, files.digest(n)) for n in names]))
+
+    def finish(self, workers: int) -> dict[str, str]:
+        """Every digest of the proof (name -> digest), once every write is durable."""
+        self._flush()
+        rest = [n for n in self.names if n not in self._submitted]
+        digests = {n: t.digest for n, t in digest_tensors(self.files, workers, rest).items()} if rest else {}
+        for future in self._digests:
+            digests.update(future.result())
+        for sync in self._syncs:
+            sync.result()
+        self.files.sync()
+        return digests
+
+    def close(self) -> None:
+        """Stop what has not started and wait for what runs (before the files are closed)."""
+        self._digest_pool.shutdown(wait=True, cancel_futures=True)
+        self._sync_pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _apply_one(
     root: Path,
     delta: Delta,
@@ -581,8 +697,10 @@ def _apply_one(
     base_table: dict[str, TensorEntry] | None,
     *,
     resumed: bool,
-) -> StepResult:
-    """One delta: first pass, state -> applying, writes, fsync, proof, table, state -> target."""
+) -> tuple[StepResult, dict[str, str]]:
+    """One delta: first pass, state -> applying, writes, fsync, proof, table, state -> target.
+
+    Returns the step and the proof's digests (tensor name -> digest read back after the writes)."""
     m = delta.manifest
     started = time.perf_counter()
     with InPlaceFiles(locations, writable=True) as files, explain_enospc(root):
@@ -597,16 +715,21 @@ def _apply_one(
         applying = {"delta_id": delta.id, "base": ref(m.base), "target": ref(m.target), "url": delta.url}
         write_state(root, ReceiverState(None, None, applying, before, history))
         counts = ItemCounts()
-        for outcome in write_items(delta, prepared, files, resumed, workers):
-            counts.add(outcome.kind, outcome.count)
-        files.sync()
         # The proof: the touched tensors (every tensor, where the base table is unknown) must now
-        # hash to the target table; nothing claims the target before this holds.
-        proof_started = time.perf_counter()
+        # hash to the target table; nothing claims the target before this holds. Each is read back
+        # as soon as its last item is written, while the fsyncs run (see _Proof).
         names = touched if base_table is not None else sorted(m.tensors)
-        digests = digest_tensors(files, workers, names)
-        proof_seconds = time.perf_counter() - proof_started
-    bad = receiver_plan.unproven(m, {n: t.digest for n, t in digests.items()})
+        proof = _Proof(files, m.items, names, workers)
+        try:
+            for i, outcome in enumerate(write_items(delta, prepared, files, resumed, workers)):
+                counts.add(outcome.kind, outcome.count)
+                proof.written(i)
+            proof_started = time.perf_counter()
+            digests = proof.finish(workers)
+            proof_seconds = time.perf_counter() - proof_started
+        finally:
+            proof.close()
+    bad = receiver_plan.unproven(m, digests)
     if bad:
         raise receiver_plan.proof_failure(m, bad, str(root))
     with SafetensorsCheckpoint(root) as ckpt:
@@ -614,7 +737,7 @@ def _apply_one(
     write_recorded_table(root, m.tensors)
     history[:] = [*(h for h in history if h != m.base.fingerprint), m.base.fingerprint][-HISTORY_LENGTH:]
     write_state(root, ReceiverState(m.target.version, m.target.fingerprint, None, stats, history))
-    return StepResult(
+    step = StepResult(
         delta=delta.url,
         delta_id=delta.id,
         base_version=m.base.version,
@@ -628,3 +751,4 @@ def _apply_one(
         seconds=time.perf_counter() - started,
         proof_seconds=proof_seconds,
     )
+    return step, digests

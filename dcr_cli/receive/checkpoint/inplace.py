@@ -216,6 +216,10 @@ class InPlaceFiles:
             digest.update(self.read(name, start, min(loc.numel, start + step), scratch=True))
         return digest.hexdigest()
 
+    def sync_file(self, file: Path) -> None:
+        """fsync one file (the applier's background fsyncs, while its write pass goes on)."""
+        os.fsync(self._fd(file))
+
     def sync(self) -> None:
         """Make every write durable: fsync each file written."""
         for file in sorted(self._written):
