@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -100,3 +102,24 @@ def snapshot(root: Path) -> dict[str, bytes]:
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".dcr"))
     return dst
+
+
+def record_digests(monkeypatch: Any, seen: Callable[[str], None]) -> None:
+    """Call ``seen(name)`` for every tensor a receiver hashes from its files: one by one
+    (``InPlaceFiles.digest``) or in batches of small ones (``digest_small_tensors``), wherever called."""
+    from dcr_cli.receive.checkpoint import applier, inplace
+
+    one, small = inplace.InPlaceFiles.digest, inplace.digest_small_tensors
+
+    def digest(self: inplace.InPlaceFiles, name: str) -> str:
+        seen(name)
+        return one(self, name)
+
+    def digest_small_tensors(files: inplace.InPlaceFiles, names: list[str]) -> list[tuple[str, str]]:
+        for name in names:
+            seen(name)
+        return small(files, names)
+
+    monkeypatch.setattr(inplace.InPlaceFiles, "digest", digest)
+    monkeypatch.setattr(inplace, "digest_small_tensors", digest_small_tensors)
+    monkeypatch.setattr(applier, "digest_small_tensors", digest_small_tensors)

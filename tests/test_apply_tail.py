@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, write_checkpoint
+from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, record_digests, write_checkpoint
 
 import dcr_cli
 from dcr_cli.produce import diff
@@ -26,26 +26,18 @@ def test_every_written_file_is_fsynced_and_every_touched_tensor_proven_before_th
     diff(v0, v1, tmp_path / "d", base_version="v0", target_version="v1")
     recv = copy_checkpoint(v0, tmp_path / "recv")
     events: list[tuple[str, str]] = []
-    real_sync_file, real_digest, real_state = (
-        inplace.InPlaceFiles.sync_file,
-        inplace.InPlaceFiles.digest,
-        applier.write_state,
-    )
+    real_sync_file, real_state = inplace.InPlaceFiles.sync_file, applier.write_state
 
     def sync_file(self: inplace.InPlaceFiles, file: Path) -> None:
         real_sync_file(self, file)
         events.append(("fsync", file.name))
-
-    def digest(self: inplace.InPlaceFiles, name: str) -> str:
-        events.append(("digest", name))
-        return real_digest(self, name)
 
     def write_state(root: Path, state: applier.ReceiverState) -> None:
         events.append(("state", "applying" if state.applying else str(state.version)))
         real_state(root, state)
 
     monkeypatch.setattr(inplace.InPlaceFiles, "sync_file", sync_file)
-    monkeypatch.setattr(inplace.InPlaceFiles, "digest", digest)
+    record_digests(monkeypatch, lambda name: events.append(("digest", name)))
     monkeypatch.setattr(applier, "write_state", write_state)
     result = dcr_cli.apply(tmp_path / "d", into=recv, verify=True)
     assert result.version == "v1" and result.verified is not None and result.verified["ok"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, write_checkpoint
+from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, record_digests, write_checkpoint
 from manifest_text import manifest_v1
 
 import dcr_cli
@@ -167,17 +167,9 @@ def _two_versions(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_apply_verify_digests_each_tensor_once_after_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--verify reuses the proof's read-back digests of the touched tensors and reads only the others."""
-    from dcr_cli.receive.checkpoint import inplace
-
     recv, delta = _two_versions(tmp_path)
     digested: list[str] = []
-    real = inplace.InPlaceFiles.digest
-
-    def counting(self: inplace.InPlaceFiles, name: str) -> str:
-        digested.append(name)
-        return real(self, name)
-
-    monkeypatch.setattr(inplace.InPlaceFiles, "digest", counting)
+    record_digests(monkeypatch, digested.append)
     dcr_cli.apply(delta, into=recv)  # records the state (the base table is known from here on)
     # Back to v0 by a reverse delta, then forward again with --verify: the base table is known.
     diff(tmp_path / "v1", tmp_path / "v0", tmp_path / "back", base_version="v1", target_version="v0")

@@ -46,6 +46,7 @@ from .inplace import (
     InPlaceFiles,
     Run,
     digest_small,
+    digest_small_tensors,
     digest_tensors,
     runs_of,
 )
@@ -663,7 +664,10 @@ class _Proof:
 
     def _flush(self) -> None:
         if self._batch:
-            self._submit(self._batch)
+            files, names = self.files, self._batch
+            locations = files.locations
+            names.sort(key=lambda n: (str(locations[n].file), locations[n].start))  # file order: one read a stretch
+            self._digests.append(self._digest_pool.submit(digest_small_tensors, files, names))
             self._batch, self._batch_bytes = [], 0
 
     def _submit(self, names: list[str]) -> None:
