@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers_checkpoints import copy_checkpoint, mutate, random_tensors, read_raw, write_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from manifest_text import manifest_text
 
 import dcr_cli
@@ -747,3 +749,52 @@ def test_plan_units_made_fast_are_the_dataclass_units() -> None:
         assert dataclasses.astuple(made) == dataclasses.astuple(built)
         with pytest.raises(dataclasses.FrozenInstanceError):
             made.name = "u"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("shape", [[1.0, 2], [True, 2], [-1, 2], "ab", [[1], 2], 5, {"0": 1}])
+def test_a_recorded_shape_that_is_no_list_of_ints_is_not_trusted(tmp_path: Path, shape: object) -> None:
+    """The table's parse caches shapes; what the cache would equate (1.0 and True with 1) is refused first."""
+    from dcr_cli.format.manifest import TensorEntry, fingerprint
+    from dcr_cli.receive.checkpoint.state import read_recorded_table, state_dir, write_recorded_table
+
+    (tmp_path / ".dcr").mkdir()
+    good = {"a": TensorEntry("BF16", (1, 2), "0" * 64), "b": TensorEntry("BF16", (1, 2), "1" * 64)}
+    write_recorded_table(tmp_path, good)
+    assert read_recorded_table(tmp_path, fingerprint(good)) == good
+    doc = json.loads((state_dir(tmp_path) / "table.json").read_bytes())
+    doc["tensors"]["b"]["shape"] = shape
+    (state_dir(tmp_path) / "table.json").write_text(json.dumps(doc))
+    assert read_recorded_table(tmp_path, fingerprint(good)) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(
+        # names as strict_json reads them back: no NUL, no lone surrogate (refused, as in any dcr JSON)
+        st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=12),
+        st.tuples(
+            st.sampled_from(["BF16", "F32", "I8"]),
+            st.lists(st.integers(0, 2**40), max_size=4),
+            st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
+        ),
+        max_size=8,
+    )
+)
+def test_the_recorded_table_is_written_as_json_dumps_writes_it(rows: dict) -> None:
+    """The templated writer gives json.dumps's bytes (any name: quotes, backslashes, controls, non-ASCII)
+    and reads back as the same table."""
+    import tempfile
+
+    from dcr_cli.format.manifest import TensorEntry, fingerprint
+    from dcr_cli.receive.checkpoint import state
+
+    table = {n: TensorEntry(d, tuple(s), g) for n, (d, s, g) in rows.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / ".dcr").mkdir()
+        state.write_recorded_table(root, table)
+        raw = (state.state_dir(root) / state.TABLE_NAME).read_bytes()
+        obj = {"fingerprint": fingerprint(table), "tensors": {n: t.to_json() for n, t in sorted(table.items())}}
+        assert raw == json.dumps(obj, separators=(",", ":")).encode()
+        state._LAST_TABLE.clear()  # parsed from the file, not the writer's cache
+        assert state.read_recorded_table(root, fingerprint(table)) == table

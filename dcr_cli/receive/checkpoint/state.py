@@ -12,15 +12,17 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from json.encoder import encode_basestring_ascii as _quote  # json.dumps's own (ensure_ascii)
 from pathlib import Path
 from typing import Any
 
 from ...checkpoints.safetensors_dir import INDEX_NAME, SafetensorsCheckpoint
 from ...errors import ConflictError, FormatError
 from ...format.digest import is_digest
-from ...format.manifest import TensorEntry, VersionRef, fingerprint
+from ...format.manifest import TensorEntry, VersionRef, fingerprint, make_entry
 from ...format.strict_json import load_json
 from ...io.files import fsync_dir, write_atomic
+from ...io.gc_pause import fewer_collections
 
 STATE_DIR = ".dcr"
 STATE_NAME = "state.json"
@@ -119,9 +121,26 @@ def explain_enospc(path: Path) -> Iterator[None]:
 
 def write_recorded_table(root: Path, table: dict[str, TensorEntry]) -> None:
     """Keep the tensor table of the version reached, so ``dcr verify`` can name tensors without the delta."""
-    obj = {"fingerprint": fingerprint(table), "tensors": {n: t.to_json() for n, t in sorted(table.items())}}
+    fp = fingerprint(table)
+    raw = _table_json(table, fp)
     with explain_enospc(state_dir(root) / TABLE_NAME):
-        write_atomic(state_dir(root) / TABLE_NAME, json.dumps(obj, separators=(",", ":")).encode())
+        write_atomic(state_dir(root) / TABLE_NAME, raw)
+    _LAST_TABLE.clear()  # the next read of these bytes (a verify, the next step of a chain) needs no parse
+    _LAST_TABLE[state_dir(root) / TABLE_NAME] = (raw, dict(table), fp)
+
+
+def _table_json(table: dict[str, TensorEntry], fp: str) -> bytes:
+    """``json.dumps({"fingerprint": …, "tensors": {name: entry.to_json()}}, separators=(",", ":"))``, byte for
+    byte, from a template per row (100k rows: a third of the cost); each shape is spelled once."""
+    shapes: dict[tuple[int, ...], str] = {}
+    rows = []
+    for name in sorted(table):
+        t = table[name]
+        shape = shapes.get(t.shape)
+        if shape is None:
+            shape = shapes[t.shape] = json.dumps(list(t.shape), separators=(",", ":"))
+        rows.append(f'{_quote(name)}:{{"dtype":{_quote(t.dtype)},"shape":{shape},"digest":{_quote(t.digest)}}}')
+    return f'{{"fingerprint":{_quote(fp)},"tensors":{{{",".join(rows)}}}}}'.encode()
 
 
 # The last recorded table read, by path: (its bytes, the table, its fingerprint). An apply reads the
@@ -141,16 +160,32 @@ def read_recorded_table(root: str | os.PathLike[str], expected_fingerprint: str)
     if last is not None and last[0] == raw:
         return dict(last[1]) if last[2] == expected_fingerprint else None
     try:
-        obj = load_json(raw, str(path))
-        table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in obj["tensors"].items()}
+        with fewer_collections():  # 100k entries that all stay alive: young passes would find nothing
+            table = _parse_table(load_json(raw, str(path)))
     except (FormatError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    if not all(_is_shape(t.shape) for t in table.values()):
+    if table is None:
         return None  # damaged: treated as absent (the version is established by hashing)
     fp = fingerprint(table)
     _LAST_TABLE.clear()  # one table kept: the receiver's
     _LAST_TABLE[path] = (raw, table, fp)
     return dict(table) if fp == expected_fingerprint else None
+
+
+def _parse_table(obj: Any) -> dict[str, TensorEntry] | None:
+    """The entries of a recorded table's JSON; None if a shape is no list of non-negative ints.
+    Anything else malformed raises (TypeError, KeyError, AttributeError)."""
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # an MoE table repeats a few shapes 100k times: one tuple
+    table = {}
+    for name, t in obj["tensors"].items():
+        listed = t["shape"]
+        if type(listed) is not list:
+            return None
+        shape = tuple(listed)
+        if not _is_shape(shape):  # before the lookup: 1.0 and True would find (1,)
+            return None
+        table[name] = make_entry(t["dtype"], shapes.setdefault(shape, shape), t["digest"])
+    return table
 
 
 def _is_shape(shape: tuple[object, ...]) -> bool:
