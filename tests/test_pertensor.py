@@ -340,6 +340,40 @@ def test_fewer_collections_nests_and_restores_the_thresholds() -> None:
         gc.set_threshold(*before)
 
 
+def test_no_collections_pauses_the_collector_and_promotes_survivors_without_a_pass() -> None:
+    import gc
+
+    from dcr_cli.io.gc_pause import no_collections
+
+    assert gc.isenabled()
+    with no_collections():
+        assert not gc.isenabled()
+        with no_collections():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner exit leaves the outer pause on
+        kept = [[i] for i in range(1000)]  # survivors, tracked in the youngest generation
+    assert gc.isenabled()
+    assert id(kept[0]) in {id(x) for x in gc.get_objects(generation=2)}  # the oldest, without a pass
+    with pytest.raises(RuntimeError), no_collections():
+        raise RuntimeError("enabled again on errors too")
+    assert gc.isenabled()
+    gc.freeze()  # a host that froze its heap (a vLLM server) keeps it frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with no_collections():
+            kept.append([0])
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    gc.disable()  # a caller that disabled the collector keeps it disabled
+    try:
+        with no_collections():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_a_command_freezes_the_heap_at_exit_and_still_runs_later_handlers(tmp_path: Path) -> None:
     """The exit-time collections skip what a command left alive (gc.freeze in atexit); the atexit
     handlers registered before it still run afterwards, and the command's output is complete."""

@@ -43,6 +43,7 @@ from ..format.manifest import (
     Section,
     parse_manifest,
 )
+from ..io.gc_pause import no_collections
 from .prefetch import BlockFetcher
 from .source import BlockSource
 
@@ -97,7 +98,9 @@ class Delta:
         digest = digest_bytes(raw)
         if expected is not None and digest != expected:
             raise IntegrityError(f"{location}: the manifest's bytes do not have the digest its name says (corrupt)")
-        return Delta(location, parse_manifest(raw), digest, len(raw), source, manifest_path=manifest_path)
+        with no_collections():  # 100k items: the parse builds millions of objects and no cycles
+            manifest = parse_manifest(raw)
+        return Delta(location, manifest, digest, len(raw), source, manifest_path=manifest_path)
 
     # -- where the blocks are (kept for callers that use the filesystem directly) --------------------------------
 

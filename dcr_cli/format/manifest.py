@@ -12,7 +12,6 @@ are ignored so that minor versions can add them.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import re
@@ -542,22 +541,10 @@ def parse_manifest(raw: bytes) -> Manifest:
 
     Every field a reader uses is type-checked here (delta-v1/v2 §7.2 step 1), so that nothing
     downstream meets a value of the wrong type; the JSON itself is read strictly (§8, "JSON").
-    The cyclic garbage collector is paused meanwhile: the parse builds millions of objects and no
-    cycles, and the collections it would trigger took half the time at 100k tensors. Its objects are
-    then moved to the oldest generation without a pass (where nothing froze objects before).
+    Callers that parse large manifests pause the cyclic collector around it (``io.gc_pause.no_collections``):
+    the parse builds millions of objects and no cycles.
     """
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        return _parse_manifest(raw)
-    finally:
-        if paused:
-            if gc.get_freeze_count() == 0:
-                # The parse's objects (none of them garbage) go to the oldest generation without a pass:
-                # left in the youngest, the next young collection would walk them all (20 ms at 100k).
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
+    return _parse_manifest(raw)
 
 
 def _parse_manifest(raw: bytes) -> Manifest:

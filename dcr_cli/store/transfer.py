@@ -37,6 +37,7 @@ from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError,
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
 from ..io.files import fsync_dir, write_atomic
+from ..io.gc_pause import no_collections
 from ..io.reading import open_regular
 from .backends import S3_PART_BYTES
 from .repo import (
@@ -640,7 +641,8 @@ def _pull_record(
     repairs_checked: bool = False,
 ) -> PullResult:
     raw = store.manifest_bytes(record)  # checked against the digest in the version record
-    manifest = parse_manifest(raw)
+    with no_collections():  # see Delta.open
+        manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
         raise IntegrityError(f"{store.url}: manifest of {record.version!r} does not match its version record")
     roles = ("data", "repair") if repair else ("data",)
@@ -817,7 +819,8 @@ def open_version(
 def open_record(store: Store, record: VersionRecord, label: str) -> Delta:
     """The Delta a version record (or a shortcut's record) describes, reading its blocks from ``store``."""
     raw = store.manifest_bytes(record)
-    manifest = parse_manifest(raw)
+    with no_collections():  # see Delta.open
+        manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
         raise IntegrityError(f"{store.url}: manifest of {record.version!r} does not match its record")
     rel = f"{STORE_MANIFESTS}/{record.manifest}.json"

@@ -16,7 +16,6 @@ Normative text: format_spec/receiver-checkpoint.md. In short:
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 import time
@@ -34,7 +33,7 @@ from ...delta.reader import Delta, DeltaLike, open_deltas
 from ...errors import IncompatibleError, IntegrityError, VerifyFailed
 from ...format.digest import digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
-from ...io.gc_pause import fewer_collections
+from ...io.gc_pause import fewer_collections, no_collections
 from ...io.pool import Inline, default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .batch import Batch, prepare_batch
@@ -286,18 +285,8 @@ def _task(fn: Callable[[], T], small: bool) -> Callable[[], T]:
 
 def first_pass(delta: Delta, files: InPlaceFiles, resuming: bool, workers: int) -> list[Prepared]:
     """Every check of delta-v1 §7.2 for every item, before the first write; keeps what fits the budget."""
-    paused = gc.isenabled()
-    gc.disable()  # a few objects per item, alive until the writes and without cycles: nothing to collect
-    try:
+    with no_collections():  # a few objects per item, alive until the writes and without cycles: nothing to collect
         return _first_pass(delta, files, resuming, workers)
-    finally:
-        if paused:
-            if gc.get_freeze_count() == 0:
-                # Survivors (the apply's tables, locations and these outcomes: no garbage) to the oldest
-                # generation without a pass; a young collection would walk them all (35 ms at 18k tensors).
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def _first_pass(delta: Delta, files: InPlaceFiles, resuming: bool, workers: int) -> list[Prepared]:
