@@ -22,6 +22,7 @@ from helpers_checkpoints import copy_checkpoint, read_raw, snapshot, write_check
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from manifest_text import manifest_v1
+from test_apply import SPECIAL_BITS
 
 import dcr_cli
 from dcr_cli.delta.reader import Delta
@@ -31,12 +32,18 @@ from dcr_cli.produce.engine import diff
 from dcr_cli.receive.checkpoint import applier, batch
 
 WIDTH_DTYPES = {1: ["U8", "F8_E4M3", "I8"], 2: ["BF16", "F16"], 4: ["F32", "I32"], 8: ["F64", "I64"]}
-SPECIAL = {
-    1: [0x00, 0x80, 0x7F, 0xFF],
-    2: [0x0000, 0x8000, 0x7FC1, 0xFFFF, 0x7C00, 0x7F81],
-    4: [0x00000000, 0x80000000, 0x7FC00001, 0xFFBFFFFF, 0x7F800000],
-    8: [0, 1 << 63, 0x7FF8000000000001, 0xFFF0000000000001],
-}
+
+
+def experts(rng: np.random.Generator, count: int, shape: tuple[int, int], flips: int, mask: int) -> tuple[dict, dict]:
+    """``count`` small BF16 tensors and a step that XORs ``mask`` into ``flips`` random elements of each."""
+    size = shape[0] * shape[1]
+    t0 = {f"e{i:03d}": ("BF16", shape, rng.integers(0, 1 << 16, size, dtype=np.uint16)) for i in range(count)}
+    t1 = {}
+    for name, (dt, sh, a) in t0.items():
+        b = a.copy()
+        b[rng.integers(0, a.size, flips)] ^= np.uint16(mask)
+        t1[name] = (dt, sh, b)
+    return t0, t1
 
 
 @contextlib.contextmanager
@@ -82,7 +89,7 @@ def sparse_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
         size = draw(st.integers(40, 300))  # sparse: xor items (a dense change becomes a replace)
         uint = np.dtype(f"<u{width}")
         a = rng.integers(0, 1 << (8 * width), size, dtype=np.uint64).astype(uint)
-        specials = np.array(SPECIAL[width], dtype=np.uint64).astype(uint)
+        specials = np.array(SPECIAL_BITS[width], dtype=np.uint64).astype(uint)
         a[rng.random(size) < 0.2] = rng.choice(specials)
         b = a.copy()
         changed = rng.random(size) < draw(st.sampled_from([0.01, 0.05, 0.1]))
@@ -138,12 +145,7 @@ def test_batches_write_the_bytes_of_the_per_item_path(
 def test_batches_kept_or_dropped_give_the_same_bytes(tmp_path: Path) -> None:
     """Beyond the memory budget a batch is prepared again when written: the same bytes."""
     rng = np.random.default_rng(5)
-    t0 = {f"e{i:03d}": ("BF16", (24, 16), rng.integers(0, 1 << 16, 384, dtype=np.uint16)) for i in range(200)}
-    t1 = {}
-    for name, (dt, shape, a) in t0.items():
-        b = a.copy()
-        b[rng.integers(0, a.size, 4)] ^= np.uint16(3)
-        t1[name] = (dt, shape, b)
+    t0, t1 = experts(rng, 200, (24, 16), flips=4, mask=3)
     base, new = write_checkpoint(tmp_path / "v0", t0, shards=2), write_checkpoint(tmp_path / "v1", t1, shards=2)
     diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
     for budget in (0, 1 << 30):
@@ -258,12 +260,7 @@ def test_a_write_cut_short_inside_a_joined_span_resumes_bit_exact(
     from dcr_cli.receive.checkpoint import inplace
 
     rng = np.random.default_rng(21)
-    t0 = {f"e{i:03d}": ("BF16", (8, 32), rng.integers(0, 1 << 16, 256, dtype=np.uint16)) for i in range(120)}
-    t1 = {}
-    for name, (dt, shape, a) in t0.items():
-        b = a.copy()
-        b[rng.integers(0, a.size, 6)] ^= np.uint16(0x8001)
-        t1[name] = (dt, shape, b)
+    t0, t1 = experts(rng, 120, (8, 32), flips=6, mask=0x8001)
     base, new = write_checkpoint(tmp_path / "v0", t0), write_checkpoint(tmp_path / "v1", t1)
     diff(base, new, tmp_path / "d", base_version="v0", target_version="v1")
     recv = copy_checkpoint(base, tmp_path / "recv")
