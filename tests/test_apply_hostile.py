@@ -448,7 +448,7 @@ def test_any_delta_with_the_same_base_and_target_resumes(
     state = read_state(recv)
     assert state is not None and state.applying is not None
     result = dcr_cli.apply(other, into=recv)
-    assert result.steps[0].status == "resumed" and result.steps[0].done == 2
+    assert result.steps[0].status == "resumed" and result.steps[0].done >= 1  # which ones: the writes' order
     assert read_raw(recv) == read_raw(v1)
     assert snapshot(recv) == snapshot(v1)
 
@@ -511,6 +511,7 @@ def test_a_cancelled_item_never_masks_the_real_error(
 ) -> None:
     """Item 0 is still preparing when item 1's write fails with ENOSPC: item 0 is cancelled, ENOSPC is reported."""
     recv, delta, v1 = versions
+    monkeypatch.setattr(apply_module, "streams", lambda *_a, **_k: False)  # the checked-first path (test_apply_stream)
     monkeypatch.setattr(apply_module, "PREPARED_BYTES", 0)  # every item is prepared again in the write pass
     monkeypatch.setattr(apply_module, "BATCH_ITEMS", 1)  # items 0 and 1 in tasks of their own, on two workers
     failed = threading.Event()

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...checkpoints.safetensors_dir import SafetensorsCheckpoint, TensorLocation
 from ...delta.reader import Delta, DeltaLike, open_deltas
-from ...errors import IncompatibleError, IntegrityError, VerifyFailed
+from ...errors import DcrError, IncompatibleError, IntegrityError, VerifyFailed
 from ...format.digest import digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.gc_pause import fewer_collections, no_collections
@@ -210,8 +210,18 @@ def _repair(delta: Delta, item: Item) -> np.ndarray:
     return delta.repair_values(item)
 
 
-def prepare_item(delta: Delta, item: Item, files: InPlaceFiles, resuming: bool) -> Prepared:
-    """Decode (section digest, frames), read the current elements, classify, compute and check new values."""
+@dataclass(slots=True)
+class _Located:
+    """An item's decoded data (section digest and frames checked) and its current elements in the files."""
+
+    values: np.ndarray
+    index: np.ndarray | slice
+    runs: list[Run]
+    current: np.ndarray
+    digest: str
+
+
+def _locate(delta: Delta, item: Item, files: InPlaceFiles) -> _Located:
     loc = files.locations[item.tensor]
     decoded = delta.decode(item)
     index = receiver_plan.canonical_index(item.region, decoded.positions, loc.shape)
@@ -223,14 +233,24 @@ def prepare_item(delta: Delta, item: Item, files: InPlaceFiles, resuming: bool) 
             segment = local // receiver_plan.contiguous_run(item.region, loc.shape)
         runs = runs_of(index, segment, decoded.values.dtype.itemsize)
     current = files.gather(item.tensor, index, runs)
-    current_digest = digest_small(current) if current.nbytes <= SMALL_DIGEST_BYTES else digest_bytes(current)
+    return _Located(decoded.values, index, runs, current, _digest(current))
+
+
+def _digest(values: np.ndarray) -> str:
+    return digest_small(values) if values.nbytes <= SMALL_DIGEST_BYTES else digest_bytes(values)
+
+
+def prepare_item(delta: Delta, item: Item, files: InPlaceFiles, resuming: bool) -> Prepared:
+    """Decode (section digest, frames), read the current elements, classify, compute and check new values."""
+    at = _locate(delta, item, files)
+    index, runs, current, current_digest = at.index, at.runs, at.current, at.digest
     if current_digest == item.pre:  # the common case, decided as classify decides it
         kind: receiver_plan.Kind = "pending"
     else:
-        kind = receiver_plan.classify(current_digest, item, resuming, f"{loc.file.parent}")
+        kind = receiver_plan.classify(current_digest, item, resuming, f"{files.locations[item.tensor].file.parent}")
     if kind == "done":
         return Prepared(kind, item.count)
-    new = receiver_plan.new_values(item, kind, current, decoded.values, lambda: _repair(delta, item))
+    new = receiver_plan.new_values(item, kind, current, at.values, lambda: _repair(delta, item))
     return Prepared(kind, item.count, index, runs, new)
 
 
@@ -250,6 +270,11 @@ def prepare_items(
             return [Prepared("pending", item.count, batch=batch) for item in items]
     delta.preread([it.data for it in items], what)
     return [prepare_item(delta, item, files, resuming) for item in items]
+
+
+def _scatter(files: InPlaceFiles, item: Item, p: Prepared) -> None:
+    assert p.index is not None and p.new is not None
+    files.scatter(item.tensor, p.index, p.runs or [], p.new)
 
 
 class _Cancelled(Exception):
@@ -339,8 +364,7 @@ def write_items(
                 return p
             if failed.is_set():
                 raise _Cancelled
-            assert p.index is not None and p.new is not None
-            files.scatter(item.tensor, p.index, p.runs or [], p.new)
+            _scatter(files, item, p)
             return p
         except _Cancelled:
             raise
@@ -410,6 +434,130 @@ def write_items(
         pool.shutdown(wait=True, cancel_futures=True)
     if error is not None:
         raise error
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def streams(delta: Delta, prior: ReceiverState | None, resumed: bool) -> bool:
+    """Whether the items may be written as they are checked, each as soon as its sections have arrived
+    (receiver-checkpoint.md §4.4): a fresh apply of xor items onto a receiver whose recorded version is
+    the delta's base. Every item written can then be undone exactly (xor is its own inverse), so a
+    check that fails later (a block that arrives corrupt, an item not at its pre-image) leaves the
+    receiver proven at its base again, with nothing lost."""
+    m = delta.manifest
+    return (
+        not resumed
+        and prior is not None
+        and prior.applying is None
+        and prior.fingerprint == m.base.fingerprint
+        and all(item.op == "xor" for item in m.items)
+    )
+
+
+class _Written:
+    """The item ranges [lo, hi) a streaming pass started writing: all an undo has to look at."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ranges: list[tuple[int, int]] = []
+
+    def add(self, lo: int, hi: int) -> None:
+        with self._lock:
+            self.ranges.append((lo, hi))
+
+
+def stream_items(delta: Delta, files: InPlaceFiles, workers: int, written: _Written) -> Iterator[Prepared]:
+    """Check and write every item in one pass, on the pool: each batch is written by the task that
+    checked it, as soon as its sections have arrived and passed every check of delta-v1 §7.2 (its
+    bytes still in cache, and nothing held for a second pass). Yields outcomes in item order.
+
+    On the first failure the tasks not yet writing stop; every task has finished when the first
+    real error is raised (``ordered_parallel`` waits for its pool), so ``written`` is then final."""
+    items = delta.manifest.items
+    failed = threading.Event()
+    errors: list[BaseException] = []
+
+    def task(lo: int, hi: int, small: bool) -> Callable[[], list[Prepared]]:
+        def run() -> list[Prepared]:
+            try:
+                if failed.is_set():
+                    raise _Cancelled
+                prepared = prepare_items(delta, items[lo:hi], files, False, lo if small else -1)
+                if failed.is_set():
+                    raise _Cancelled
+                written.add(lo, hi)
+                together = prepared[0].batch if prepared else None
+                if together is not None:
+                    together.write(files, failed.is_set)
+                else:
+                    for item, p in zip(items[lo:hi], prepared, strict=True):
+                        _scatter(files, item, p)
+                return [Prepared(p.kind, p.count) for p in prepared]
+            except _Cancelled:
+                raise
+            except BaseException as exc:
+                errors.append(exc)
+                failed.set()
+                raise
+
+        return _task(run, small)
+
+    try:
+        with no_collections():  # as in first_pass
+            for outcomes in ordered_parallel((task(*b) for b in item_batches(items)), workers):
+                yield from outcomes
+    except _Cancelled:
+        raise errors[0] from None
+
+
+def _undo_item(delta: Delta, item: Item, files: InPlaceFiles) -> bool:
+    """Bring one xor item back to its pre-image, proven by its digest; False where it already is.
+
+    At ``post`` its elements are xored with the mask again; torn (a write cut short), each element
+    holds its base or its target value, and the base is the target (the repair values) xor the mask."""
+    at = _locate(delta, item, files)
+    if at.digest == item.pre:
+        return False
+    target = at.current if at.digest == item.post else _repair(delta, item)
+    base = receiver_plan.apply_values("xor", target, at.values)
+    if _digest(base) != item.pre:
+        raise IntegrityError(
+            f"{receiver_plan.quote(item.tensor)} {item.region.to_json()}: its undone values do not match the "
+            "delta's pre digest"
+        )
+    files.scatter(item.tensor, at.index, at.runs, base)
+    return True
+
+
+def _roll_back(
+    root: Path, delta: Delta, files: InPlaceFiles, written: _Written, prior: ReceiverState, error: Exception
+) -> Exception:
+    """After a failed streaming pass: undo what it wrote, make that durable, record the base again.
+
+    Returns the error to raise: ``error`` itself when nothing had been written (the state file is
+    then rewritten exactly as it was), when it is not dcr's own, or when the undo fails too (a write
+    error: the state still says "applying", as after a crash, and re-running the same apply finishes
+    it); else the same message, saying that the receiver is back at its base."""
+    items = delta.manifest.items
+    try:
+        undone = sum(_undo_item(delta, item, files) for lo, hi in sorted(written.ranges) for item in items[lo:hi])
+        if undone:
+            files.sync()
+            with SafetensorsCheckpoint(root) as ckpt:
+                prior = ReceiverState(prior.version, prior.fingerprint, None, file_stats(root, ckpt), prior.history)
+        write_state(root, prior)
+    except Exception:  # as after a crash: the state says "applying", a re-run finishes; the first error says why
+        return error
+    if not undone or not isinstance(error, DcrError):
+        return error
+    try:
+        return type(error)(
+            f"{error} (the {undone} items written before this was found were undone: {root} is back at version "
+            f"{prior.version})"
+        )
+    except TypeError:  # an error class with another constructor: its own message
+        return error
 
 
 # --------------------------------------------------------------------------- apply
@@ -696,10 +844,14 @@ def _apply_one(
     Returns the step and the proof's digests (tensor name -> digest read back after the writes)."""
     m = delta.manifest
     started = time.perf_counter()
+    prior = read_state(root)
+    streaming = streams(delta, prior, resumed)
     with InPlaceFiles(locations, writable=True) as files, explain_enospc(root):
         files.open_all(touched := sorted(receiver_plan.touched(m)))
-        prepared = first_pass(delta, files, resumed, workers)  # raises before anything is written
-        delta.verify_blocks(("data",))  # every data block whole (waits for a store's download), before any write
+        prepared: list[Prepared] = []
+        if not streaming:
+            prepared = first_pass(delta, files, resumed, workers)  # raises before anything is written
+            delta.verify_blocks(("data",))  # every data block whole (waits for a store's download), before any write
         if base_table is not None and read_recorded_table(root, m.base.fingerprint) is None:
             write_recorded_table(root, base_table)  # so that a resume can check what it did not touch
         with SafetensorsCheckpoint(root) as ckpt:
@@ -714,9 +866,24 @@ def _apply_one(
         names = touched if base_table is not None else sorted(m.tensors)
         proof = _Proof(files, m.items, names, workers)
         try:
-            for i, outcome in enumerate(write_items(delta, prepared, files, resumed, workers)):
-                counts.add(outcome.kind, outcome.count)
-                proof.written(i)
+            if streaming:
+                assert prior is not None
+                written = _Written()
+                try:
+                    for i, outcome in enumerate(stream_items(delta, files, workers, written)):
+                        counts.add(outcome.kind, outcome.count)
+                        proof.written(i)
+                    delta.verify_blocks(("data",))  # every data block whole, before the target is claimed
+                except Exception as exc:  # an interrupt is a crash: a re-run finishes the apply
+                    proof.close()  # no digest or fsync runs while the undo writes
+                    reported = _roll_back(root, delta, files, written, prior, exc)
+                    if reported is exc:
+                        raise
+                    raise reported from exc
+            else:
+                for i, outcome in enumerate(write_items(delta, prepared, files, resumed, workers)):
+                    counts.add(outcome.kind, outcome.count)
+                    proof.written(i)
             proof_started = time.perf_counter()
             digests = proof.finish(workers)
             proof_seconds = time.perf_counter() - proof_started
