@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -340,7 +341,22 @@ def test_fewer_collections_nests_and_restores_the_thresholds() -> None:
         gc.set_threshold(*before)
 
 
-def test_no_collections_pauses_the_collector_and_promotes_survivors_without_a_pass() -> None:
+@pytest.fixture
+def unfrozen_heap() -> Iterator[None]:
+    """A heap nobody froze, as in a fresh dcr process: an in-process vLLM engine that ran earlier in this
+    pytest process froze it (vLLM calls gc.freeze at start-up), and a frozen heap is a host's choice the
+    pause must leave alone, which is not what these tests are about. Frozen again afterwards."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    yield
+    if frozen:
+        gc.freeze()
+
+
+def test_no_collections_pauses_the_collector_and_promotes_survivors_without_a_pass(unfrozen_heap: None) -> None:
     import gc
 
     from dcr_cli.io.gc_pause import no_collections
@@ -395,7 +411,7 @@ def test_a_command_freezes_the_heap_at_exit_and_still_runs_later_handlers(tmp_pa
     assert json.loads(done.stdout)["items"]  # stdout was flushed whole
 
 
-def test_a_pause_defers_older_collections_and_promotes_its_survivors_without_a_pass() -> None:
+def test_a_pause_defers_older_collections_and_promotes_its_survivors_without_a_pass(unfrozen_heap: None) -> None:
     """Inside a pause the middle and oldest generations wait; at its end the survivors go to the
     oldest generation with no collection over them, cyclic garbage made meanwhile is still found by
     the next full collection, and a heap frozen by someone else stays frozen."""

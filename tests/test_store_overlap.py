@@ -296,8 +296,7 @@ def test_pull_runs_at_the_link_rate_and_fetches_the_payload_once(
         assert proxy.requests_for(f"/blocks/{block_id}") == chunks + ranges  # the old read's GETs, then pull's
         got = proxy.bytes_for(f"/blocks/{block_id}") - b.size  # less the old read's bytes (and its headers)
         assert b.size <= got < b.size + 2048 * (ranges + chunks)
-    assert after < 1.3 * floor, (after, floor)
-    assert after < before, (after, before)
+    assert after < 1.3 * floor, (after, floor)  # (before is printed: at the floor too, it is no fair bound)
 
 
 def delta_files_equal(a: Path, b: Path) -> bool:

@@ -7,6 +7,10 @@ Normative text: format_spec/receiver-checkpoint.md. In short:
   a first pass over every item: its sections decode (digests, frames), its current elements are
   classified, and its new values digest to ``post``. On a fresh apply every item must be at its
   pre-image; done and torn items are legitimate only when resuming the same base -> target.
+* Except in the streaming apply (§4.4), the steady case of a refit: xor items onto a receiver
+  recorded at the base are written in one pass, each as soon as its own checks pass (from a
+  store: while later blocks are still downloading). A later failure undoes them (xor is its own
+  inverse), proven by the items' ``pre`` digests, and the receiver is left at its base.
 * The receiver's version lives in ``CKPT/.dcr/state.json``, replaced atomically; while a delta
   is being applied it says so ("applying X -> Y"). An exclusive ``flock`` keeps appliers apart.
 * Only the affected elements are written, in place, with pwrite (inplace.py).
