@@ -265,8 +265,8 @@ def join(
 # -- shortcuts ---------------------------------------------------------------------------------------------------------
 
 
-def _open_manifest(store: Store, record: VersionRecord, label: str) -> Delta:
-    return open_record(store, record, f"{store.url} ({label})")
+def _open_manifest(store: Store, record: VersionRecord, label: str, *, shortcut: bool = False) -> Delta:
+    return open_record(store, record, f"{store.url} ({label})", shortcut=shortcut)
 
 
 def _upload_delta(store: Store, local: Path) -> tuple[bytes, str]:
@@ -343,7 +343,7 @@ def compact(
                 existing = have.get((frame.version, target))
                 if existing is not None:
                     result.present.append(label)
-                    previous, done = _open_manifest(store, existing.record, f"shortcut {label}"), j
+                    previous, done = _open_manifest(store, existing.record, f"shortcut {label}", shortcut=True), j
                     continue
                 chain = [_open_manifest(store, store.require_version(n), n) for n in names[done:j]]
                 deltas = ([previous] if previous is not None else []) + chain
@@ -365,7 +365,7 @@ def compact(
                 result.published.append(label)
                 if log:
                     log(f"shortcut {label}: {summary.payload_bytes} bytes for {j} versions")
-                previous, done = _open_manifest(store, record, f"shortcut {label}"), j
+                previous, done = _open_manifest(store, record, f"shortcut {label}", shortcut=True), j
         finally:
             if base_ckpt is not None:
                 base_ckpt.close()
@@ -522,7 +522,7 @@ def open_plan(url: str, the_plan: Plan, *, storage_options: dict[str, Any] | Non
     for s in the_plan.steps:
         if s.kind == "keyframe" or s.record is None:
             raise DcrError("a keyframe replaces the checkpoint; join with dcr pull --join instead")
-        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}->{s.target}"))
+        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}->{s.target}", shortcut=s.kind == "shortcut"))
     return out
 
 
