@@ -271,3 +271,37 @@ def test_gc_keeps_the_blocks_of_a_shortcut_published_while_it_runs(
     apply(open_plan(url, the_plan), into=recv, workers=1)
     assert read_raw(recv) == read_raw(ckpts[4])
     assert check(url).ok
+
+
+def test_a_torn_apply_through_a_shortcut_lacking_a_repair_block_is_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shortcut's blocks, repair blocks included, all precede its record (§6.2): one absent is lost (exit 2)."""
+    url = str(tmp_path / "store")
+    ckpts, _deltas = _committed_store(tmp_path, url, {})
+    publish_keyframe(url, ckpts[0], version="v0")
+    assert compact(url, every=4).published == ["v0..v4"]
+    the_plan = plan(url, "v0", allow_keyframe=False)
+    assert [(s.kind, s.base, s.target) for s in the_plan.steps] == [("shortcut", "v0", "v4")]
+    recv = copy_checkpoint(ckpts[0], tmp_path / "recv")
+    real = inplace._write_values
+
+    def write(fd: int, offset: int, data: memoryview) -> None:
+        real(fd, offset, data[: len(data) // 2])
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(inplace, "_write_values", write)
+    with pytest.raises(OSError):
+        apply(open_plan(url, the_plan), into=recv, workers=1)
+    monkeypatch.undo()
+    store = Store(url)
+    (shortcut,) = shortcuts(store)
+    _data, repair = split_roles(parse_manifest(store.manifest_bytes(shortcut.record)))
+    assert repair
+    for b in repair:
+        store.delete(f"blocks/{b.id}")
+    before = read_raw(recv)
+    proc = run_dcr("apply", url, "--since", "v0", "--into", str(recv))
+    assert proc.returncode == 2, proc.stderr
+    assert "lost it although shortcut 'v4' is complete" in _one_error_line(proc)
+    assert read_raw(recv) == before
