@@ -97,7 +97,8 @@ def test_keyframe_shortcuts_join_and_catch_up(stream: tuple[Path, Path, Path], t
     assert p.keyframe_bytes is not None and p.keyframe_bytes > frame.bytes
 
     # A corrupt keyframe file is refused before the directory appears.
-    victim = store / "keyframes" / "step-2" / "model.safetensors"
+    (model,) = [f for f in frame.files if f.name == "model.safetensors"]
+    victim = store / "keyframes" / "step-2" / f"{model.digest}-model.safetensors"  # named by its content
     data = bytearray(victim.read_bytes())
     data[-1] ^= 1
     victim.write_bytes(bytes(data))

@@ -138,8 +138,9 @@ def test_a_push_killed_after_publishing_is_finished_by_running_it_again(
     _tear(torn, url, opts, monkeypatch)
     before = read_raw(torn)
     refused = run_dcr("apply", url, "--version", "v1", "--into", str(torn), env=env)
-    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
-    assert "repair block is not here; the store lacks it" in refused.stderr and "re-run dcr push" in refused.stderr
+    assert refused.returncode == 4 and len(refused.stderr.strip().splitlines()) == 1  # not ready: no complete/v1
+    assert "repair block is not here" in refused.stderr and "does not have it yet" in refused.stderr
+    assert "re-run dcr push" in refused.stderr
     assert read_raw(torn) == before
 
     # Squashing (dcr compact) needs target values: refused before anything is written.

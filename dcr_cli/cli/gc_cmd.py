@@ -49,4 +49,9 @@ def command(url: str, keep: int, grace: str, dry_run: bool, storage_option: tupl
             if result.young_unreferenced
             else ""
         )
+        + (
+            f"; removed {result.removed_keyframe_files} keyframe files no record names (a publish stopped early)"
+            if result.removed_keyframe_files
+            else ""
+        )
     )

@@ -18,7 +18,7 @@ from typing import TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import IntegrityError
+from ..errors import DcrError, IntegrityError
 from ..format.digest import StreamingDigest
 from ..format.manifest import BLOCKS_DIR, BlockEntry
 from ..io.reading import RegularFiles
@@ -42,6 +42,13 @@ class BlockSource:
 
     def path(self, block: BlockEntry) -> str:
         return f"{self.root}/{BLOCKS_DIR}/{block.id}"
+
+    def missing_repair(self, what: str) -> DcrError:
+        """The error for a torn item whose repair block this source lacks (``what``: the item and that fact).
+
+        A delta directory either has its repair blocks or was fetched without them: bad input (exit 2).
+        A store's source tells a repair upload still to come (exit 4) from a lost block (store-v1 §4.1)."""
+        return IntegrityError(f"{what}; {self.missing_repair_advice}")
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """Run one read; a store's source retries transient errors here."""

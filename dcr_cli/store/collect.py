@@ -4,8 +4,9 @@ Invariant: every published version that gc has not dropped keeps its manifest an
 its manifest lists. gc drops, once at its start, the versions that are neither among the newest
 ``keep`` committed ones nor pending. Everything else follows from the invariant:
 
-* the live set is read again before each batch of deletions, so a version published while gc
-  runs (however long it runs) protects its blocks from the next batch on;
+* the live set is read again before each batch of deletions, so a version (or a shortcut, store-v1
+  §6.4) published while gc runs (however long it runs) protects its blocks and manifest from the next
+  batch on;
 * an object no published version references may belong to a push in progress: it is removed only
   once older than the grace period, asked afresh just before removing it (a push refreshes old
   blocks it reuses, and checks that all of its blocks are present before it publishes).
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..errors import DcrError
 from ..format.manifest import parse_manifest
-from .repo import BLOCKS, MANIFESTS, VERSIONS, Listing, Store, VersionRecord
+from .repo import BLOCKS, MANIFESTS, VERSIONS, Listing, Store, VersionRecord, is_label
 
 DEFAULT_GRACE_S = 3600.0
 BATCH = 256  # deletions between two reads of the live set
@@ -38,6 +39,7 @@ class GcResult:
     kept_bytes: int
     young_unreferenced: int  # unreferenced but within the grace period (maybe a push in progress)
     dry_run: bool
+    removed_keyframe_files: int = 0  # objects under keyframes/<v>/ no record names (a publish stopped half-way)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,16 +60,21 @@ def live_versions(store: Store, keep: int) -> tuple[list[VersionRecord], list[Ve
 
 
 class LiveSet:
-    """Blocks that versions gc did not drop need, read again on request (new records join it)."""
+    """Blocks and manifests that versions gc did not drop need, and those of shortcuts gc did not drop
+    (store-v1 §6.4), read again on request: records published since gc started join it."""
 
-    def __init__(self, store: Store, dropped: Iterable[VersionRecord]) -> None:
+    def __init__(self, store: Store, dropped: Iterable[VersionRecord], dropped_shortcuts: Iterable[str] = ()) -> None:
         self.store = store
         self.dropped = {r.version for r in dropped}
+        self.dropped_shortcuts = set(dropped_shortcuts)  # object names of shortcut records gc removes
         self.read: set[str] = set()  # versions whose manifests are counted
+        self.read_shortcuts: set[str] = set()  # shortcut records whose manifests are counted
         self.blocks: dict[str, int] = {}
+        self.manifests: set[str] = set()  # file names under manifests/
 
     def refresh(self) -> None:
-        """Count every published version not dropped (an unreadable manifest of one aborts gc)."""
+        """Count every published version not dropped and every shortcut not dropped (an unreadable
+        manifest of one aborts gc)."""
         names = [e.name[: -len(".json")] for e in self.store.list(VERSIONS) if e.name.endswith(".json")]
         for name in names:
             if name in self.dropped or name in self.read:
@@ -75,12 +82,35 @@ class LiveSet:
             record = self.store.version(name)
             if record is None:
                 continue
-            if not self.store.exists(f"{MANIFESTS}/{record.manifest}.json"):
-                self.read.add(name)  # removed by an earlier gc: the version is unavailable, it needs nothing
-                continue
-            for block in parse_manifest(self.store.manifest_bytes(record)).blocks:
-                self.blocks[block.id] = block.size
+            self._count(record)
             self.read.add(name)
+        self._refresh_shortcuts()
+
+    def _refresh_shortcuts(self) -> None:
+        """A ``dcr compact`` running beside gc publishes its shortcut after uploading its blocks and
+        manifest: the shortcut records are read again with the versions' (store-v1 §6.4)."""
+        from .keyframes import SHORTCUT_KIND, SHORTCUTS
+
+        for base in self.store.list_dirs(SHORTCUTS):
+            if not is_label(base):
+                continue
+            for entry in self.store.list(f"{SHORTCUTS}/{base}"):
+                rel = f"{SHORTCUTS}/{base}/{entry.name}"
+                if not entry.name.endswith(".json") or rel in self.dropped_shortcuts or rel in self.read_shortcuts:
+                    continue
+                obj = self.store.read_record(rel, SHORTCUT_KIND)
+                if obj is None:
+                    continue
+                self._count(VersionRecord.from_json(obj, f"{self.store.url}/{rel}"))
+                self.read_shortcuts.add(rel)
+
+    def _count(self, record: VersionRecord) -> None:
+        manifest = f"{record.manifest}.json"
+        self.manifests.add(manifest)  # even if absent now: one written later (a re-run) must stay
+        if not self.store.exists(f"{MANIFESTS}/{manifest}"):
+            return  # removed by an earlier gc: unavailable, it needs nothing
+        for block in parse_manifest(self.store.manifest_bytes(record)).blocks:
+            self.blocks[block.id] = block.size
 
     def needs(self, block_id: str) -> bool:
         return block_id in self.blocks
@@ -97,15 +127,17 @@ def gc(
     store = Store(url, storage_options)
     store.require_marker()
     live, dropped = live_versions(store, keep)
-    needed = LiveSet(store, dropped)
-    needed.refresh()
-    live_manifests = {f"{r.manifest}.json" for r in live}
-    # Keyframes and shortcuts (store-v1.md §6.4): the newest keyframe's shortcuts stay, older ones go.
-    from .keyframes import retained
+    # Keyframes and shortcuts (store-v1.md §6.4): the newest keyframe's shortcuts stay, older ones go;
+    # decided once, here, as the dropped versions are. Every other shortcut, published since included,
+    # is counted by the live set whenever it is read.
+    from .keyframes import KEYFRAME_KIND, KEYFRAMES, SHORTCUTS, KeyframeRecord, retained
 
     shortcut_blocks, shortcut_manifests, drop_catchup = retained(store)
+    needed = LiveSet(store, dropped, (rel for rel in drop_catchup if rel.startswith(f"{SHORTCUTS}/")))
+    needed.refresh()
     needed.blocks.update(shortcut_blocks)
-    live_manifests |= shortcut_manifests
+    needed.manifests |= shortcut_manifests
+    live_manifests = {f"{r.manifest}.json" for r in live} | shortcut_manifests
     now = time.time()
 
     def old(entry: Listing, rel_dir: str) -> bool:
@@ -119,17 +151,23 @@ def gc(
 
     published_manifests = {f"{r.manifest}.json" for r in dropped}
     removed_manifests = removed_blocks = removed_bytes = kept_blocks = kept_bytes = young = 0
+    batch = 0  # deletions since the live set was last read
     for entry in store.list(MANIFESTS):
-        if entry.name in live_manifests:
+        if entry.name in live_manifests or entry.name in needed.manifests:
             continue
         # A dropped version's manifest goes at once; one no version names may be a push in progress.
         if entry.name in published_manifests or old(entry, MANIFESTS):
-            removed_manifests += 1
             if not dry_run:
+                if batch == 0:
+                    needed.refresh()  # a version or shortcut published meanwhile keeps its manifest
+                if entry.name in needed.manifests:
+                    continue
                 store.delete(f"{MANIFESTS}/{entry.name}")
+                batch = (batch + 1) % BATCH
+            removed_manifests += 1
         else:
             young += 1
-    batch = 0  # deletions since the live set was last read
+    batch = 0
     for entry in store.list(BLOCKS):
         if needed.needs(entry.name):
             kept_blocks += 1
@@ -140,7 +178,7 @@ def gc(
             continue
         if not dry_run:
             if batch == 0:
-                needed.refresh()  # a version published meanwhile protects its blocks from this batch on
+                needed.refresh()  # a version or shortcut published meanwhile protects its blocks from here on
             if needed.needs(entry.name):
                 kept_blocks += 1
                 kept_bytes += entry.size
@@ -152,6 +190,22 @@ def gc(
     if not dry_run:
         for rel in drop_catchup:
             store.delete(rel)
+    # Keyframe files no record names (a publish stopped before its record; store-v1 §6.4): removed once older
+    # than the grace period, the version's record read again just before (a publish may have finished).
+    removed_frames = 0
+    for version in store.list_dirs(KEYFRAMES) if not dry_run else []:
+        if not is_label(version):
+            continue
+        folder = f"{KEYFRAMES}/{version}"
+        stale = [e for e in store.list(folder) if old(e, folder)]
+        if not stale:
+            continue
+        obj = store.read_record(f"{KEYFRAMES}/{version}.json", KEYFRAME_KIND)
+        named = {f.stored for f in KeyframeRecord.from_json(obj, folder).files} if obj is not None else set()
+        for e in stale:
+            if e.name not in named:
+                store.delete(f"{folder}/{e.name}")
+                removed_frames += 1
     return GcResult(
         store=url,
         live_versions=sorted(r.version for r in live),
@@ -163,4 +217,5 @@ def gc(
         kept_bytes=kept_bytes,
         young_unreferenced=young,
         dry_run=dry_run,
+        removed_keyframe_files=removed_frames,
     )

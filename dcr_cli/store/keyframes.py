@@ -1,9 +1,11 @@
 """Keyframes, squashed shortcuts and the cheapest catch-up path (format_spec/store-v1.md §6).
 
 * A *keyframe* is a committed version's full state as a plain Hugging Face checkpoint in the store:
-  ``keyframes/<version>/<file>`` plus the record ``keyframes/<version>.json`` (written last,
-  create-only) with every file's size and BLAKE3 and the model fingerprint. A receiver with no state
-  joins with one download (:func:`join`).
+  one whole-object write per file, named by its content (``keyframes/<version>/<BLAKE3>-<file>``), then
+  the record ``keyframes/<version>.json`` (create-only, after every file is asked about again) with
+  every file's name, object, size and BLAKE3 and the model fingerprint: as a version is published, the
+  record makes it visible at once and complete. A receiver with no state joins with one download
+  (:func:`join`).
 * A *shortcut* is a squashed delta (``dcr_cli.delta.squash``) from a keyframe's version to a later
   committed version, published like a version's delta (blocks, ``manifests/<digest>.json``) and
   described by ``shortcuts/<base>/<target>.json``, a version record of kind ``dcr.store.shortcut``.
@@ -21,7 +23,8 @@ import functools
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,19 +33,25 @@ import numpy as np
 
 from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
 from ..delta.reader import Delta
+from ..delta.source import CHUNK_BYTES
 from ..delta.squash import UnsquashableError, squash
 from ..errors import ConflictError, DcrError, FormatError, IncompatibleError, IntegrityError
 from ..format.digest import StreamingDigest, is_digest
-from ..format.manifest import MANIFEST_NAME, fingerprint, parse_manifest
+from ..format.manifest import fingerprint, parse_manifest
 from ..io.files import fsync_dir
-from .repo import BLOCKS, MANIFESTS, STORE_MAJOR, STORE_MINOR, Ref, Store, VersionRecord, check_label, dumps, utc_now
+from .repo import MANIFESTS, STORE_MAJOR, STORE_MINOR, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
 from .transfer import (
+    DEFAULT_WORKERS,
+    REFRESH_S,
     RateLimit,
     _pull_record,
+    _Uploader,
+    _written_before,
     check_repairs,
     open_record,
     require_repair_blocks,
     resolve,
+    stat_blocks,
     version_record,
 )
 
@@ -55,9 +64,14 @@ _READ = 8 << 20
 
 @dataclass(frozen=True)
 class KeyframeFile:
-    name: str
+    name: str  # the file's name in the checkpoint directory
     size: int
     digest: str
+    object: str = ""  # its object under keyframes/<version>/; records without one: the name itself
+
+    @property
+    def stored(self) -> str:
+        return self.object or self.name
 
 
 @dataclass(frozen=True)
@@ -85,7 +99,15 @@ class KeyframeRecord:
     @staticmethod
     def from_json(obj: dict[str, Any], where: str) -> KeyframeRecord:
         try:
-            files = [KeyframeFile(_file_name(f["name"]), int(f["size"]), f["digest"]) for f in obj["files"]]
+            files = [
+                KeyframeFile(
+                    _file_name(f["name"]),
+                    int(f["size"]),
+                    f["digest"],
+                    _file_name(f["object"]) if f.get("object") is not None else "",
+                )
+                for f in obj["files"]
+            ]
             record = KeyframeRecord(
                 check_label(obj["version"], "version"), obj["fingerprint"], files, obj.get("created", "")
             )
@@ -93,6 +115,8 @@ class KeyframeRecord:
             raise FormatError(f"{where}: malformed keyframe record ({exc})") from None
         if not is_digest(record.fingerprint) or not all(is_digest(f.digest) for f in files):
             raise FormatError(f"{where}: keyframe digests must be 64-hex")
+        if any(f.size < 0 for f in files) or len({f.name for f in files}) != len(files):
+            raise FormatError(f"{where}: keyframe file sizes must be non-negative and names distinct")
         return record
 
 
@@ -173,6 +197,10 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def keyframe_object(version: str, file: KeyframeFile) -> str:
+    return f"{KEYFRAMES}/{version}/{file.stored}"
+
+
 def publish_keyframe(
     url: str,
     checkpoint: str | os.PathLike[str],
@@ -180,9 +208,20 @@ def publish_keyframe(
     version: str | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> KeyframeRecord:
-    """Store ``checkpoint`` (a HF directory) as the keyframe of committed ``version`` (default: the head)."""
+    """Store ``checkpoint`` (a HF directory) as the keyframe of committed ``version`` (default: the head).
+
+    Published as a version is (store-v1 §6.1): every file first, each one whole-object write under a
+    name its BLAKE3 fixes (so a racing publisher writes the same bytes under a name, never other bytes),
+    skipped if the store has it already with its size (asked one by one, never a listing) and written
+    again if that copy is older than 15 minutes (a gc may be sweeping it as unreferenced); then each is
+    asked about again, and only then is the record created, create-only. Until the record exists no
+    reader sees the keyframe; once it exists every file it names is there. A publish stopped half-way
+    leaves only unreferenced objects (gc removes them after its grace period); running it again
+    uploads what is missing.
+    """
     store = Store(url, storage_options)
     store.require_marker()
+    store.require_atomic_publish()
     ref = store.head() if version is None else next((r for r in committed_order(store) if r.version == version), None)
     if ref is None:
         raise DcrError(f"{url}: {version!r} is not a committed version; a keyframe is a committed state")
@@ -197,17 +236,54 @@ def publish_keyframe(
         return KeyframeRecord.from_json(existing, f"{url}/{rel}")
     root = Path(checkpoint)
     files: list[KeyframeFile] = []
-    folder = store.path(KEYFRAMES, ref.version)
-    store.call(functools.partial(store.fs.makedirs, folder, exist_ok=True), f"create {KEYFRAMES}/{ref.version}")
     for path in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
+        _file_name(path.name)
         digest = _file_digest(path)
-        target = store.path(KEYFRAMES, ref.version, path.name)
-        store.call(functools.partial(store.fs.put_file, str(path), target), f"upload {path.name}")
-        files.append(KeyframeFile(path.name, path.stat().st_size, digest))
+        files.append(KeyframeFile(path.name, path.stat().st_size, digest, f"{digest}-{path.name}"))
+    now = time.time()
+    for f in files:
+        entry = store.stat(keyframe_object(ref.version, f))
+        if entry is None or entry.size != f.size or _written_before(entry, now - REFRESH_S):
+            _upload_file(store, root / f.name, keyframe_object(ref.version, f), f)
+    for f in files:  # a concurrent gc could have swept one: every file must be there before the record
+        entry = store.stat(keyframe_object(ref.version, f))
+        if entry is None or entry.size != f.size:
+            raise ConflictError(
+                f"{url}: keyframe file {f.name} of {ref.version} vanished during the upload (a concurrent "
+                "dcr gc?); nothing was published — run it again"
+            )
     record = KeyframeRecord(ref.version, ref.fingerprint, files, utc_now())
-    with contextlib.suppress(FileExistsError):  # a racing publisher of the same state: its record is as good
+    try:
         store.create(rel, dumps(record.to_json()))
+    except FileExistsError:  # a racing publisher of the same state: its record (and files) are as good
+        winner = store.read_record(rel, KEYFRAME_KIND)
+        if winner is not None:
+            return KeyframeRecord.from_json(winner, f"{url}/{rel}")
+        raise
     return record
+
+
+def _upload_file(store: Store, path: Path, rel: str, f: KeyframeFile) -> None:
+    """One whole-object write of a local file (temporary name and rename; one PUT or a completed multipart
+    upload), refused before it completes if the bytes are no longer those whose digest names the object."""
+
+    def chunks() -> Iterator[bytes]:
+        h = StreamingDigest()
+        size = 0
+        with open(path, "rb") as src:
+            while chunk := src.read(CHUNK_BYTES):
+                h.update(chunk)
+                size += len(chunk)
+                yield chunk
+        if size != f.size or h.hexdigest() != f.digest:
+            raise IntegrityError(f"{path} changed while it was uploaded as a keyframe file; nothing was published")
+
+    if store.capabilities.local_files or store.capabilities.streamed_writes:
+        store.put_chunks(rel, chunks)
+    else:  # gs://, az://: their client's upload shows the object only once complete
+        if _file_digest(path) != f.digest:
+            raise IntegrityError(f"{path} changed while it was uploaded as a keyframe file; nothing was published")
+        store.call(functools.partial(store.fs.put_file, str(path), store.path(rel)), f"write {rel}")
 
 
 @dataclass
@@ -244,7 +320,7 @@ def join(
     try:
         for f in frame.files:
             local = partial / f.name
-            source = store.path(KEYFRAMES, frame.version, f.name)
+            source = store.path(keyframe_object(frame.version, f))
             try:
                 store.call(functools.partial(store.fs.get_file, source, str(local)), f"read {f.name}")
             except FileNotFoundError:
@@ -265,26 +341,32 @@ def join(
 # -- shortcuts ---------------------------------------------------------------------------------------------------------
 
 
-def _open_manifest(store: Store, record: VersionRecord, label: str) -> Delta:
-    return open_record(store, record, f"{store.url} ({label})")
+def _open_manifest(store: Store, record: VersionRecord, label: str, *, shortcut: bool = False) -> Delta:
+    return open_record(store, record, f"{store.url} ({label})", shortcut=shortcut)
 
 
-def _upload_delta(store: Store, local: Path) -> tuple[bytes, str]:
-    """Upload a local delta's blocks (those absent) and its manifest; return (manifest bytes, digest)."""
-    from ..format.digest import digest_bytes
-
-    raw = (local / MANIFEST_NAME).read_bytes()
-    manifest = parse_manifest(raw)
-    present = {e.name: e.size for e in store.list(BLOCKS)}
-    for block in {b.id: b for b in manifest.blocks}.values():
-        if present.get(block.id) != block.size:
-            store.put(f"{BLOCKS}/{block.id}", (local / block.path).read_bytes())
-    digest = digest_bytes(raw)
-    store.put(f"{MANIFESTS}/{digest}.json", raw)
-    listed = {e.name for e in store.list(BLOCKS)}
-    if any(b.id not in listed for b in manifest.blocks):
-        raise DcrError(f"{store.url}: a block vanished during the upload (concurrent gc?); run again")
-    return raw, digest
+def _upload_delta(store: Store, local: Path, workers: int = DEFAULT_WORKERS) -> tuple[bytes, str]:
+    """Upload a squashed delta's blocks and manifest as a push uploads a version's (store-v1 §4.1 steps
+    4-6, §6.2); return (manifest bytes, digest). Each of its blocks is asked about (never a listing of
+    ``blocks/``: the cost follows the shortcut, not the store), the absent ones are uploaded, the present
+    ones older than 15 minutes written again (a concurrent gc may be removing them), then the manifest;
+    then every block is asked about again: all must be there before the caller creates the record."""
+    delta = Delta.open(local)
+    raw = delta.raw_manifest()
+    blocks = list({b.id: b for b in delta.manifest.blocks}.values())
+    uploader = _Uploader(store, delta, workers, None, None)
+    missing, _kept, refreshed = uploader.plan(blocks, False, refresh=True)
+    uploader.upload(missing)
+    uploader.upload(refreshed, counted=True)
+    store.put(f"{MANIFESTS}/{delta.id}.json", raw)
+    after: dict[str, Listing | None] = stat_blocks(store, blocks, workers)
+    lost = [b.id for b in blocks if (e := after[b.id]) is None or e.size != b.size]
+    if lost:
+        raise ConflictError(
+            f"{store.url}: block {lost[0][:16]}… vanished during the upload (a concurrent dcr gc?); nothing was "
+            "published — run dcr compact again"
+        )
+    return raw, delta.id
 
 
 @dataclass
@@ -343,7 +425,7 @@ def compact(
                 existing = have.get((frame.version, target))
                 if existing is not None:
                     result.present.append(label)
-                    previous, done = _open_manifest(store, existing.record, f"shortcut {label}"), j
+                    previous, done = _open_manifest(store, existing.record, f"shortcut {label}", shortcut=True), j
                     continue
                 chain = [_open_manifest(store, store.require_version(n), n) for n in names[done:j]]
                 deltas = ([previous] if previous is not None else []) + chain
@@ -356,7 +438,7 @@ def compact(
                         base_ckpt = SafetensorsCheckpoint(joined.path)
                     ckpt = base_ckpt
                     summary = squash(deltas, out, workers=workers, base_values=_reader(ckpt))
-                raw, digest = _upload_delta(store, out)
+                raw, digest = _upload_delta(store, out, workers or DEFAULT_WORKERS)
                 manifest = parse_manifest(raw)
                 record = version_record(manifest, digest, len(raw), Ref(frame.version, frame.fingerprint))
                 obj = {**record.to_json(), "format": SHORTCUT_KIND, "chain": names[:j]}
@@ -365,7 +447,7 @@ def compact(
                 result.published.append(label)
                 if log:
                     log(f"shortcut {label}: {summary.payload_bytes} bytes for {j} versions")
-                previous, done = _open_manifest(store, record, f"shortcut {label}"), j
+                previous, done = _open_manifest(store, record, f"shortcut {label}", shortcut=True), j
         finally:
             if base_ckpt is not None:
                 base_ckpt.close()
@@ -522,7 +604,7 @@ def open_plan(url: str, the_plan: Plan, *, storage_options: dict[str, Any] | Non
     for s in the_plan.steps:
         if s.kind == "keyframe" or s.record is None:
             raise DcrError("a keyframe replaces the checkpoint; join with dcr pull --join instead")
-        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}->{s.target}"))
+        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}->{s.target}", shortcut=s.kind == "shortcut"))
     return out
 
 
@@ -547,5 +629,6 @@ def retained(store: Store) -> tuple[dict[str, int], set[str], list[str]]:
             drop.append(rel)
     for version, frame in keyframes(store).items():
         if newest is not None and version != newest.version:
-            drop = [*(f"{KEYFRAMES}/{version}/{f.name}" for f in frame.files), f"{KEYFRAMES}/{version}.json", *drop]
+            # The record first: the keyframe is gone at once for every reader, never seen half removed.
+            drop = [f"{KEYFRAMES}/{version}.json", *(keyframe_object(version, f) for f in frame.files), *drop]
     return needed, manifests, drop

@@ -548,7 +548,12 @@ class Store:
 
 
 class StoreBlockSource(BlockSource):
-    """A store's blocks, read with the store's retries and error wrapping."""
+    """A store's blocks, read with the store's retries and error wrapping.
+
+    ``record``: the version (or shortcut) whose blocks these are, so that a missing repair block can be
+    told apart: still to come (the push publishes before it uploads them, store-v1 §4.1) or lost.
+    ``repairs_promised``: every block was uploaded before the record (a shortcut, §6.2).
+    """
 
     # A push publishes a version before its repair blocks (store-v1 §4.1).
     missing_repair_advice = (
@@ -556,10 +561,12 @@ class StoreBlockSource(BlockSource):
         "publishing; wait for it to finish, or re-run dcr push DELTA URL, then re-run"
     )
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, record: VersionRecord | None = None, *, repairs_promised: bool = False) -> None:
         super().__init__(store.fs, store.root, label=store.url)
         self.store = store
         self.local = store.capabilities.local_files
+        self.record = record
+        self.repairs_promised = repairs_promised
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         return self.store.call(fn, what)
@@ -569,3 +576,22 @@ class StoreBlockSource(BlockSource):
 
     def exists(self, block: BlockEntry) -> bool:
         return self.store.exists(f"{BLOCKS}/{block.id}")
+
+    def missing_repair(self, what: str) -> DcrError:
+        """Not ready (exit 4) while the version's push may still upload the block; lost (exit 2) once the
+        version is complete (``complete/<v>``, a record of minor 0, a shortcut): store-v1 §4.1."""
+        record = self.record
+        if record is None:
+            return IntegrityError(f"{what}; {self.missing_repair_advice}")
+        promised = self.repairs_promised or record.minor < 1 or self.store.exists(f"{COMPLETE}/{record.version}")
+        if promised:
+            kind = "shortcut" if self.repairs_promised else "version"
+            return IntegrityError(
+                f"{what}; {self.store.url} lost it although {kind} {record.version!r} is complete there: "
+                f"restore it with dcr push DELTA {self.store.url} (or dcr compact for a shortcut), then re-run"
+            )
+        return NotReadyError(
+            f"{what}; {self.store.url} does not have it yet: the producer's dcr push of {record.version!r} is "
+            "still uploading repair blocks or was stopped after publishing; wait for it to finish, or re-run "
+            f"dcr push DELTA {self.store.url}, then re-run"
+        )

@@ -816,8 +816,10 @@ def open_version(
     return open_record(store, record, f"{url} (version {record.version})")
 
 
-def open_record(store: Store, record: VersionRecord, label: str) -> Delta:
-    """The Delta a version record (or a shortcut's record) describes, reading its blocks from ``store``."""
+def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bool = False) -> Delta:
+    """The Delta a version record (or, with ``shortcut``, a shortcut's record) describes, reading its blocks
+    from ``store``. A torn item whose repair block is absent is refused as not ready (exit 4) while the
+    version's push may still upload it, as lost (exit 2) once it is complete (a shortcut always is)."""
     raw = store.manifest_bytes(record)
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
@@ -829,7 +831,7 @@ def open_record(store: Store, record: VersionRecord, label: str) -> Delta:
         manifest,
         record.manifest,
         len(raw),
-        StoreBlockSource(store),
+        StoreBlockSource(store, record, repairs_promised=shortcut),
         label=label,
         manifest_path=store.path(rel),
     )

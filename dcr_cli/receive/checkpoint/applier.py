@@ -207,9 +207,9 @@ class Prepared:
 def _repair(delta: Delta, item: Item) -> np.ndarray:
     assert item.repair is not None
     if not delta.has_block(delta.manifest.blocks[item.repair.block]):
-        raise IntegrityError(
+        raise delta.source.missing_repair(  # exit 4 if the store's push is still uploading it, else 2
             f"{receiver_plan.quote(item.tensor)}: an interrupted write left this item torn and its repair block is "
-            f"not here; {delta.source.missing_repair_advice}"
+            "not here"
         )
     return delta.repair_values(item)
 
