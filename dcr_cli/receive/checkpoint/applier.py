@@ -225,7 +225,8 @@ class _Located:
     digest: str
 
 
-def _locate(delta: Delta, item: Item, files: InPlaceFiles) -> _Located:
+def _place(delta: Delta, item: Item, files: InPlaceFiles) -> tuple[np.ndarray, np.ndarray | slice, list[Run]]:
+    """An item's decoded values (section digest and frames checked), its canonical index and runs."""
     loc = files.locations[item.tensor]
     decoded = delta.decode(item)
     index = receiver_plan.canonical_index(item.region, decoded.positions, loc.shape)
@@ -236,8 +237,37 @@ def _locate(delta: Delta, item: Item, files: InPlaceFiles) -> _Located:
             local = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
             segment = local // receiver_plan.contiguous_run(item.region, loc.shape)
         runs = runs_of(index, segment, decoded.values.dtype.itemsize)
+    return decoded.values, index, runs
+
+
+def _locate(delta: Delta, item: Item, files: InPlaceFiles) -> _Located:
+    values, index, runs = _place(delta, item, files)
     current = files.gather(item.tensor, index, runs)
-    return _Located(decoded.values, index, runs, current, _digest(current))
+    return _Located(values, index, runs, current, _digest(current))
+
+
+def stream_item(delta: Delta, item: Item, files: InPlaceFiles, writing: Callable[[], None]) -> Prepared:
+    """``prepare_item`` of a pending item and its write, with one read of its runs (``hold_runs``): the
+    streaming apply's items of a task of their own (up to 16 MiB each), their bytes still in cache.
+    ``writing()`` is called once every check has passed, just before the first write (it may raise)."""
+    values, index, runs = _place(delta, item, files)
+    if not isinstance(index, np.ndarray):  # a whole range: read, then written whole
+        at = _Located(values, index, runs, files.gather(item.tensor, index, runs), "")
+        buf = None
+    else:
+        buf, where = files.hold_runs(item.tensor, index, runs)
+        at = _Located(values, index, runs, buf[where], "")
+    at.digest = _digest(at.current)
+    if at.digest != item.pre:
+        receiver_plan.classify(at.digest, item, False, f"{files.locations[item.tensor].file.parent}")  # raises
+    new = receiver_plan.new_values(item, "pending", at.current, values, lambda: _repair(delta, item))
+    writing()
+    if buf is None:
+        files.scatter(item.tensor, index, runs, new)
+    else:
+        buf[where] = new
+        files.write_held(item.tensor, runs, buf)
+    return Prepared("pending", item.count)
 
 
 def _digest(values: np.ndarray) -> str:
@@ -482,15 +512,21 @@ def stream_items(delta: Delta, files: InPlaceFiles, workers: int, written: _Writ
     failed = threading.Event()
     errors: list[BaseException] = []
 
+    def writing(lo: int, hi: int) -> None:
+        """Items [lo, hi) passed every check: stop here if another task failed, else log them for an undo."""
+        if failed.is_set():
+            raise _Cancelled
+        written.add(lo, hi)
+
     def task(lo: int, hi: int, small: bool) -> Callable[[], list[Prepared]]:
         def run() -> list[Prepared]:
             try:
                 if failed.is_set():
                     raise _Cancelled
-                prepared = prepare_items(delta, items[lo:hi], files, False, lo if small else -1)
-                if failed.is_set():
-                    raise _Cancelled
-                written.add(lo, hi)
+                if not small:  # an item of its own: checked and written with one read of its elements
+                    return [stream_item(delta, items[lo], files, lambda: writing(lo, hi))]
+                prepared = prepare_items(delta, items[lo:hi], files, False, lo)
+                writing(lo, hi)
                 together = prepared[0].batch if prepared else None
                 if together is not None:
                     together.write(files, failed.is_set)

@@ -183,6 +183,40 @@ class InPlaceFiles:
             out[run.lo : run.hi] = span if run.dense else span[index[run.lo : run.hi] - run.first]
         return out
 
+    def hold_runs(self, name: str, index: np.ndarray, runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
+        """Every run read once, one after the other, into this thread's read buffer: (the buffer, as the
+        tensor's unsigned integers, and where each element of ``index`` is in it). ``write_held`` writes
+        the runs back from it: a read, a patch and a write, where gather then scatter read twice. Valid
+        until this thread's next scratch read."""
+        uint = self._uint(name)
+        width = uint.itemsize
+        loc = self.locations[name]
+        fd = self._fd(loc.file)
+        total = sum(run.last - run.first + 1 for run in runs)
+        buf = _scratch(total * width)[: total * width].view(uint)
+        at = np.empty(index.size, dtype=np.int64)
+        o = 0
+        for run in runs:
+            n = run.last - run.first + 1
+            _read_into(fd, loc.start + run.first * width, _bytes(buf[o : o + n]), name)
+            np.subtract(index[run.lo : run.hi], run.first - o, out=at[run.lo : run.hi])
+            o += n
+        return buf, at
+
+    def write_held(self, name: str, runs: list[Run], buf: np.ndarray) -> None:
+        """Write the runs back from ``buf`` as ``hold_runs`` read them (each lies inside the item's region)."""
+        loc = self.locations[name]
+        width = buf.dtype.itemsize
+        fd = self._fd(loc.file)
+        if loc.file not in self._written:
+            with self._lock:
+                self._written.add(loc.file)
+        o = 0
+        for run in runs:
+            n = run.last - run.first + 1
+            _write_values(fd, loc.start + run.first * width, _bytes(buf[o : o + n]))
+            o += n
+
     def scatter(self, name: str, index: np.ndarray | slice, runs: list[Run], values: np.ndarray) -> None:
         """Write ``values`` at ``index``; each run is rewritten whole (it lies inside the item's region)."""
         loc = self.locations[name]
