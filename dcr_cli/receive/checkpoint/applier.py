@@ -2,15 +2,16 @@
 
 Normative text: format_spec/receiver-checkpoint.md. In short:
 
-* All checks run before the first byte is written: manifests, file names, the tensor layout,
+* Every check runs before the first byte is written: manifests, file names, the tensor layout,
   the receiver's version (the delta's base), the target table, every data block's digest, and
   a first pass over every item: its sections decode (digests, frames), its current elements are
   classified, and its new values digest to ``post``. On a fresh apply every item must be at its
   pre-image; done and torn items are legitimate only when resuming the same base -> target.
-* Except in the streaming apply (§4.4), the steady case of a refit: xor items onto a receiver
-  recorded at the base are written in one pass, each as soon as its own checks pass (from a
-  store: while later blocks are still downloading). A later failure undoes them (xor is its own
-  inverse), proven by the items' ``pre`` digests, and the receiver is left at its base.
+* The one exception is the streaming apply (§4.4), a refit's steady case: a delta of xor items
+  onto a receiver whose recorded version is the base. Its items are checked and written in one
+  pass, each once its own checks pass and its blocks have arrived whole (from a store, while
+  later blocks are still downloading). If a later check fails, the items written are undone (xor
+  is its own inverse), proven by their ``pre`` digests, and the receiver is left at its base.
 * The receiver's version lives in ``CKPT/.dcr/state.json``, replaced atomically; while a delta
   is being applied it says so ("applying X -> Y"). An exclusive ``flock`` keeps appliers apart.
 * Only the affected elements are written, in place, with pwrite (inplace.py).
@@ -21,6 +22,7 @@ Normative text: format_spec/receiver-checkpoint.md. In short:
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -513,7 +515,10 @@ def stream_items(delta: Delta, files: InPlaceFiles, workers: int, written: _Writ
     errors: list[BaseException] = []
 
     def writing(lo: int, hi: int) -> None:
-        """Items [lo, hi) passed every check: stop here if another task failed, else log them for an undo."""
+        """Items [lo, hi) passed every check. Their blocks must be whole too (so that an undo can read
+        their sections again whatever happens to later blocks); then stop here if another task
+        failed, else log them for an undo."""
+        delta.wait_blocks_of([item.data for item in items[lo:hi]])
         if failed.is_set():
             raise _Cancelled
         written.add(lo, hi)
@@ -528,8 +533,8 @@ def stream_items(delta: Delta, files: InPlaceFiles, workers: int, written: _Writ
                 prepared = prepare_items(delta, items[lo:hi], files, False, lo)
                 writing(lo, hi)
                 together = prepared[0].batch if prepared else None
-                if together is not None:
-                    together.write(files, failed.is_set)
+                if together is not None:  # written whole: a batch stopped between writes would tear items
+                    together.write(files, lambda: False)
                 else:
                     for item, p in zip(items[lo:hi], prepared, strict=True):
                         _scatter(files, item, p)
@@ -576,26 +581,48 @@ def _roll_back(
     """After a failed streaming pass: undo what it wrote, make that durable, record the base again.
 
     Returns the error to raise: ``error`` itself when nothing had been written (the state file is
-    then rewritten exactly as it was), when it is not dcr's own, or when the undo fails too (a write
-    error: the state still says "applying", as after a crash, and re-running the same apply finishes
-    it); else the same message, saying that the receiver is back at its base."""
+    then rewritten exactly as it was), else one of the same kind (OSError keeps its errno) whose
+    message also says what became of the receiver: back at its base, or, if the undo failed too
+    (a write error, a repair block not there), left "applying" as after a crash, for a re-run of the
+    same apply (with the delta whole) to finish."""
     items = delta.manifest.items
+    undone = 0
     try:
-        undone = sum(_undo_item(delta, item, files) for lo, hi in sorted(written.ranges) for item in items[lo:hi])
+        for lo, hi in sorted(written.ranges):
+            for item in items[lo:hi]:
+                undone += _undo_item(delta, item, files)
         if undone:
             files.sync()
             with SafetensorsCheckpoint(root) as ckpt:
                 prior = ReceiverState(prior.version, prior.fingerprint, None, file_stats(root, ckpt), prior.history)
         write_state(root, prior)
-    except Exception:  # as after a crash: the state says "applying", a re-run finishes; the first error says why
-        return error
-    if not undone or not isinstance(error, DcrError):
-        return error
-    try:
-        return type(error)(
-            f"{error} (the {undone} items written before this was found were undone: {root} is back at version "
-            f"{prior.version})"
+    except Exception as exc:
+        return _restated(
+            error,
+            f"the items already written could not be undone ({one_line_of(exc)}): {root} is left in the middle of "
+            f"applying {delta.url}; re-run the same dcr apply once the delta is whole to finish it",
         )
+    if not undone:
+        return error
+    return _restated(error, f"the {undone} items written were undone: {root} is back at version {prior.version}")
+
+
+def one_line_of(exc: BaseException) -> str:
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def _restated(error: Exception, outcome: str) -> Exception:
+    """``error`` with ``outcome`` in place of a "Nothing was written" it may end with (no longer the whole
+    truth), or after it; of the same class, where that class takes a message (else ``error``)."""
+    if isinstance(error, OSError):
+        text = f"{error.strerror or error}; {outcome}"
+        return type(error)(error.errno, text, error.filename) if error.errno is not None else OSError(text)
+    if not isinstance(error, DcrError):
+        return error
+    message = re.sub(r"[.;]?\s*Nothing was written\.?$", "", str(error))
+    try:
+        return type(error)(f"{message}; {outcome}")
     except TypeError:  # an error class with another constructor: its own message
         return error
 
@@ -610,6 +637,7 @@ class _Start:
     table: dict[str, TensorEntry] | None  # the receiver's table, where known
     resume: Delta | None
     history: list[str]
+    recorded: bool = False  # the version is the state's, for files it describes (not just hashed)
 
 
 def _establish(
@@ -642,7 +670,7 @@ def _establish(
     elif state is not None and state.fingerprint and state.files == now:
         table = read_recorded_table(root, state.fingerprint)
         return _Start(
-            state.fingerprint, state.version or state.fingerprint[:16], table, None, list(state.history)
+            state.fingerprint, state.version or state.fingerprint[:16], table, None, list(state.history), True
         ), state
     elif state is not None:
         say(f"{root}: files changed since dcr last recorded a version; re-hashing")
@@ -726,8 +754,12 @@ def apply(
             ckpt.close()
             steps: list[StepResult] = []
             base_table = start.table
+            recorded = start.recorded  # each later step starts from the state the one before recorded
             for d in plan:
-                step, digests = _apply_one(root, d, locations, workers, history, base_table, resumed=d is start.resume)
+                step, digests = _apply_one(
+                    root, d, locations, workers, history, base_table, resumed=d is start.resume, recorded=recorded
+                )
+                recorded = True
                 steps.append(step)
                 read_back.update(digests)  # a later step's proof replaces an earlier one's for what it touched
                 base_table = d.manifest.tensors
@@ -878,13 +910,14 @@ def _apply_one(
     base_table: dict[str, TensorEntry] | None,
     *,
     resumed: bool,
+    recorded: bool = False,
 ) -> tuple[StepResult, dict[str, str]]:
     """One delta: first pass, state -> applying, writes, fsync, proof, table, state -> target.
 
     Returns the step and the proof's digests (tensor name -> digest read back after the writes)."""
     m = delta.manifest
     started = time.perf_counter()
-    prior = read_state(root)
+    prior = read_state(root) if recorded else None  # the version read from the state, not just hashed
     streaming = streams(delta, prior, resumed)
     with InPlaceFiles(locations, writable=True) as files, explain_enospc(root):
         files.open_all(touched := sorted(receiver_plan.touched(m)))
