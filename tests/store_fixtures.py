@@ -377,3 +377,50 @@ def flip_chain(root: Path) -> list[Path]:
         diff(x, y, root / f"d{i}", base_version=f"v{i - 1}", target_version=f"v{i}", workers=1)
         deltas.append(root / f"d{i}")
     return deltas
+
+
+def half_writes_then_eio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every in-place write of a receiver lands half its bytes and fails with EIO (as a crash mid-write
+    would leave an item: torn)."""
+    import errno
+
+    from dcr_cli.receive.checkpoint import inplace
+
+    real = inplace._write_values
+
+    def write(fd: int, offset: int, data: memoryview) -> None:
+        real(fd, offset, data[: len(data) // 2])
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(inplace, "_write_values", write)
+
+
+def tear_from_store(receiver: Path, url: str, opts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An apply from the store whose first write lands half its bytes and fails: the receiver is left torn."""
+    from dcr_cli.api import apply
+
+    half_writes_then_eio(monkeypatch)
+    with pytest.raises(OSError):
+        apply(url, into=receiver, version="v1", storage_options=opts, workers=1)
+    monkeypatch.undo()
+
+
+def count_store_questions(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
+    """(the directories a Store lists, the objects it asks about), appended to as it runs."""
+    from dcr_cli.store import repo
+
+    listed: list[str] = []
+    asked: list[str] = []
+    listing, stat = repo.Store.list, repo.Store.stat
+
+    def counting_list(self: repo.Store, rel_dir: str) -> list[repo.Listing]:
+        listed.append(rel_dir)
+        return listing(self, rel_dir)
+
+    def counting_stat(self: repo.Store, rel: str) -> repo.Listing | None:
+        asked.append(rel)
+        return stat(self, rel)
+
+    monkeypatch.setattr(repo.Store, "list", counting_list)
+    monkeypatch.setattr(repo.Store, "stat", counting_stat)
+    return listed, asked

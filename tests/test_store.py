@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from store_fixtures import S3Endpoint, delta_files, make_deltas
+from store_fixtures import S3Endpoint, count_store_questions, delta_files, make_deltas
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import ConflictError, DcrError, IncompatibleError, IntegrityError, NotReadyError
@@ -538,7 +538,6 @@ def test_a_push_asks_only_about_its_own_blocks(
     tmp_path: Path, deltas: tuple[list[Path], list[Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every push listed all of blocks/ two or three times: its cost grew with the store."""
-    from dcr_cli.store import repo
     from dcr_cli.store.streaming import BlockUploader
 
     _, (d1, *_) = deltas
@@ -546,20 +545,7 @@ def test_a_push_asks_only_about_its_own_blocks(
     store = Store(url)
     for i in range(50):  # other versions' blocks
         store.put(f"blocks/{i:064x}", b"x")
-    listed: list[str] = []
-    asked: list[str] = []
-    listing, stat = repo.Store.list, repo.Store.stat
-
-    def counting_list(self: repo.Store, rel_dir: str) -> list[repo.Listing]:
-        listed.append(rel_dir)
-        return listing(self, rel_dir)
-
-    def counting_stat(self: repo.Store, rel: str) -> repo.Listing | None:
-        asked.append(rel)
-        return stat(self, rel)
-
-    monkeypatch.setattr(repo.Store, "list", counting_list)
-    monkeypatch.setattr(repo.Store, "stat", counting_stat)
+    listed, asked = count_store_questions(monkeypatch)
     result = push(d1, url)
     blocks = {b.id for b in Delta.open(d1).manifest.blocks}
     assert "blocks" not in listed and result.uploaded_blocks == len(blocks)

@@ -7,18 +7,24 @@ Real parts: the local store and moto's S3 server (tests/store_fixtures.py), the 
 from __future__ import annotations
 
 import errno
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
-from store_fixtures import S3Endpoint, big_delta, make_deltas, run_dcr
+from store_fixtures import (
+    S3Endpoint,
+    big_delta,
+    count_store_questions,
+    half_writes_then_eio,
+    make_deltas,
+    run_dcr,
+    tear_from_store,
+)
 
 from dcr_cli.api import apply
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.manifest import parse_manifest
-from dcr_cli.receive.checkpoint import inplace
 from dcr_cli.store import Store, acknowledge, check, commit, gc, keyframes, push, repo
 from dcr_cli.store.keyframes import compact, join, open_plan, plan, publish_keyframe, shortcuts
 from dcr_cli.store.transfer import PushResult, split_roles
@@ -30,20 +36,6 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict
         return str(tmp_path / "store"), {}, None
     endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
     return request.getfixturevalue("s3_url"), endpoint.storage_options, endpoint.env()
-
-
-def _tear(receiver: Path, url: str, opts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """An apply from the store whose first write lands half its bytes and fails (as a crash would)."""
-    real = inplace._write_values
-
-    def write(fd: int, offset: int, data: memoryview) -> None:
-        real(fd, offset, data[: len(data) // 2])
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    monkeypatch.setattr(inplace, "_write_values", write)
-    with pytest.raises(OSError):
-        apply(url, into=receiver, version="v1", storage_options=opts, workers=1)
-    monkeypatch.undo()
 
 
 def _one_error_line(proc: Any) -> str:
@@ -70,7 +62,7 @@ def test_a_torn_apply_before_the_repair_upload_is_not_ready_and_after_a_loss_is_
         store = Store(url, opts)
         assert not any(store.exists(f"blocks/{b.id}") for b in repair_blocks)
         assert not store.exists("complete/v1")
-        _tear(torn, url, opts, monkeypatch)
+        tear_from_store(torn, url, opts, monkeypatch)
         before = read_raw(torn)
         refused.append(run_dcr("apply", url, "--version", "v1", "--into", str(torn), env=env))
         assert read_raw(torn) == before  # nothing written
@@ -89,7 +81,7 @@ def test_a_torn_apply_before_the_repair_upload_is_not_ready_and_after_a_loss_is_
     store = Store(url, opts)
     assert store.exists("complete/v1")
     torn2 = copy_checkpoint(tmp_path / "big-c0", tmp_path / "torn2")
-    _tear(torn2, url, opts, monkeypatch)
+    tear_from_store(torn2, url, opts, monkeypatch)
     for b in repair_blocks:
         store.delete(f"blocks/{b.id}")
     before = read_raw(torn2)
@@ -132,20 +124,7 @@ def test_compact_asks_about_its_own_blocks_and_never_lists_the_store(
     for i in range(50):  # other objects under blocks/
         store.put(f"blocks/{i:064x}", b"x")
     publish_keyframe(url, ckpts[0], version="v0")
-    listed: list[str] = []
-    asked: list[str] = []
-    listing, stat = repo.Store.list, repo.Store.stat
-
-    def counting_list(self: repo.Store, rel_dir: str) -> list[repo.Listing]:
-        listed.append(rel_dir)
-        return listing(self, rel_dir)
-
-    def counting_stat(self: repo.Store, rel: str) -> repo.Listing | None:
-        asked.append(rel)
-        return stat(self, rel)
-
-    monkeypatch.setattr(repo.Store, "list", counting_list)
-    monkeypatch.setattr(repo.Store, "stat", counting_stat)
+    listed, asked = count_store_questions(monkeypatch)
     result = compact(url, every=2)
     monkeypatch.undo()
     assert result.published == ["v0..v2", "v0..v4"]
@@ -284,13 +263,7 @@ def test_a_torn_apply_through_a_shortcut_lacking_a_repair_block_is_damage(
     the_plan = plan(url, "v0", allow_keyframe=False)
     assert [(s.kind, s.base, s.target) for s in the_plan.steps] == [("shortcut", "v0", "v4")]
     recv = copy_checkpoint(ckpts[0], tmp_path / "recv")
-    real = inplace._write_values
-
-    def write(fd: int, offset: int, data: memoryview) -> None:
-        real(fd, offset, data[: len(data) // 2])
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    monkeypatch.setattr(inplace, "_write_values", write)
+    half_writes_then_eio(monkeypatch)
     with pytest.raises(OSError):
         apply(open_plan(url, the_plan), into=recv, workers=1)
     monkeypatch.undo()

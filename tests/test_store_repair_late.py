@@ -19,12 +19,11 @@ from typing import Any
 
 import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
-from store_fixtures import S3Endpoint, big_delta, json_out, run_dcr, spawn_dcr
+from store_fixtures import S3Endpoint, big_delta, json_out, run_dcr, spawn_dcr, tear_from_store
 
 from dcr_cli.api import apply
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IntegrityError, NotReadyError
-from dcr_cli.receive.checkpoint import inplace
 from dcr_cli.store import Store, acknowledge, check, commit, gc, pull, push
 from dcr_cli.store.keyframes import compact, publish_keyframe
 from dcr_cli.store.transfer import PushResult, missing_repair_blocks, split_roles
@@ -82,20 +81,6 @@ def test_a_version_is_published_and_applied_before_its_repair_blocks_go_up(
     assert pull(url, tmp_path / "with-repair", storage_options=opts, repair=True).blocks == result.blocks
 
 
-def _tear(receiver: Path, url: str, opts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """An apply from the store whose first write lands half its bytes and fails (as a crash would)."""
-    real = inplace._write_values
-
-    def write(fd: int, offset: int, data: memoryview) -> None:
-        real(fd, offset, data[: len(data) // 2])
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    monkeypatch.setattr(inplace, "_write_values", write)
-    with pytest.raises(OSError):
-        apply(url, into=receiver, version="v1", storage_options=opts, workers=1)
-    monkeypatch.undo()
-
-
 def test_a_push_killed_after_publishing_is_finished_by_running_it_again(
     s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,7 +120,7 @@ def test_a_push_killed_after_publishing_is_finished_by_running_it_again(
     json_out(run_dcr("apply", url, "--version", "v1", "--into", str(fresh), "--json", env=env))
     assert read_raw(fresh) == read_raw(tmp_path / "big-c1")
     torn = copy_checkpoint(tmp_path / "big-c0", tmp_path / "torn")
-    _tear(torn, url, opts, monkeypatch)
+    tear_from_store(torn, url, opts, monkeypatch)
     before = read_raw(torn)
     refused = run_dcr("apply", url, "--version", "v1", "--into", str(torn), env=env)
     assert refused.returncode == 4 and len(refused.stderr.strip().splitlines()) == 1  # not ready: no complete/v1
