@@ -110,8 +110,8 @@ def test_a_block_damaged_after_the_first_writes_is_undone(
 ) -> None:  # fmt: skip
     """From a (real, moto) S3 store, a block that arrives damaged is found after the first writes (a local
     delta's or store's blocks are checked whole before anything is written). With ranges of 256 bytes a
-    block arrives in several, and the items of its good ranges are not written before the block is whole,
-    so that their undo can read them again."""
+    block arrives in several: the items of its good ranges may be written before the block fails its check,
+    and their undo reads them again from the ranges that arrived."""
     recv, delta, v0, v1 = versions
     monkeypatch.setattr(reader, "BlockFetcher", functools.partial(prefetch.BlockFetcher, range_bytes=range_bytes))
     options = [arg for k, v in s3_endpoint.storage_options.items() for arg in ("-S", f"{k}={v}")]

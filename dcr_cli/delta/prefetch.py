@@ -257,15 +257,20 @@ class BlockFetcher:
     # -- readers ----------------------------------------------------------------------------------------------------
 
     def read(self, block_id: str, start: int, end: int) -> bytes:
-        """Bytes ``start:end`` of a block once they have arrived (unchecked: the caller checks its section)."""
+        """Bytes ``start:end`` of a block once they have arrived (unchecked: the caller checks its section).
+
+        Bytes that arrived stay readable when a later part of the block fails (a range lost, the block
+        longer than declared or not at its digest): a section checked against its own digest is sound
+        whatever the rest of its block holds, and a streaming apply reads the sections it wrote again to
+        undo them after such a failure (receiver-checkpoint.md §4.4)."""
         block = self._blocks[block_id]
         end = min(end, block.entry.size)
         with self._cond:
             while block.error is None and block.contiguous < end and not self._cancelled:
                 self._cond.wait()
-            if block.error is not None:
-                raise block.error
-            if self._cancelled and block.contiguous < end:
+            if block.contiguous < end:
+                if block.error is not None:
+                    raise block.error
                 raise IntegrityError(f"block {block_id[:16]}… of {self.source.label}: the download was cancelled")
         return bytes(self._bytes(block, start, max(start, end)))
 

@@ -266,24 +266,6 @@ class Delta:
             assert fetcher is not None
             fetcher.wait_block(block.id)
 
-    def wait_blocks_of(self, sections: Sequence[Section]) -> None:
-        """Return once every block these sections lie in has arrived whole and passed its size and digest
-        checks (a local source's were checked when it was opened: nothing to wait for)."""
-        if not self.source.remote:
-            return
-        seen: set[int] = set()
-        for section in sections:
-            if section.block in seen:
-                continue
-            seen.add(section.block)
-            block = self.manifest.blocks[section.block]
-            fetcher = self._fetcher_of(block.id)
-            if fetcher is None:
-                self.prefetch_blocks((block.role,))
-                fetcher = self._fetcher_of(block.id)
-                assert fetcher is not None
-            fetcher.wait_block(block.id)
-
     def cancel_fetches(self) -> None:
         """Stop background downloads (a receiver that failed no longer needs them); blocks that had not
         arrived whole are fetched afresh if this delta is read again."""

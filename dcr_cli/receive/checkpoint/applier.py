@@ -9,8 +9,8 @@ Normative text: format_spec/receiver-checkpoint.md. In short:
   pre-image; done and torn items are legitimate only when resuming the same base -> target.
 * The one exception is the streaming apply (§4.4), a refit's steady case: a delta of xor items
   onto a receiver whose recorded version is the base. Its items are checked and written in one
-  pass, each once its own checks pass and its blocks have arrived whole (from a store, while
-  later blocks are still downloading). If a later check fails, the items written are undone (xor
+  pass, each as soon as its own checks pass (from a store: once its sections have arrived, while
+  the rest is still downloading). If a later check fails, the items written are undone (xor
   is its own inverse), proven by their ``pre`` digests, and the receiver is left at its base.
 * The receiver's version lives in ``CKPT/.dcr/state.json``, replaced atomically; while a delta
   is being applied it says so ("applying X -> Y"). An exclusive ``flock`` keeps appliers apart.
@@ -515,10 +515,8 @@ def stream_items(delta: Delta, files: InPlaceFiles, workers: int, written: _Writ
     errors: list[BaseException] = []
 
     def writing(lo: int, hi: int) -> None:
-        """Items [lo, hi) passed every check. Their blocks must be whole too (so that an undo can read
-        their sections again whatever happens to later blocks); then stop here if another task
-        failed, else log them for an undo."""
-        delta.wait_blocks_of([item.data for item in items[lo:hi]])
+        """Items [lo, hi) passed every check: stop here if another task failed, else log them for an undo
+        (which reads their sections again: the fetcher keeps what arrived, whatever the rest of a block)."""
         if failed.is_set():
             raise _Cancelled
         written.add(lo, hi)
