@@ -20,7 +20,7 @@ import blake3
 
 from .._version import __version__
 from ..errors import ConflictError
-from ..format.codec import EncodedItem
+from ..format.codec import EncodedItem, PendingItem
 from ..format.digest import digest_bytes
 from ..format.manifest import (
     BLOCKS_DIR,
@@ -256,6 +256,9 @@ class DeltaWriter:
         return len(self._blocks) - 1
 
     def add(self, item: EncodedItem) -> None:
+        """Place ``item``'s sections into blocks (a :class:`PendingItem` is encoded here first)."""
+        if type(item) is PendingItem:
+            item = item.encode()
         with self._lock:
             index = len(self._items)
             sections = self._sections

@@ -273,36 +273,23 @@ def encode_changes(
     op: Op = "xor",
     level: int | None = DEFAULT_LEVEL,
     residual: str | None = None,
+    defer: bool = False,
 ) -> EncodedItem | None:
     """Encode a scanned change of a region of ``size`` elements (what ``diff_region`` does after its scan).
 
     ``positions`` (increasing, region-local), ``masks`` (base XOR new) and ``changed_new`` are the
     changed elements, however they were found (the numba kernel, or torch on the tensors' device);
     ``dense()`` returns the region's whole flat (base, new), needed only for the dense trial.
+    With ``defer``, a sparse item that needs no dense trial is returned as a :class:`PendingItem`:
+    its frames are compressed by whoever calls ``encode()`` (the delta writer), the same bytes.
     """
     count = len(positions)
     if count == 0:
         return None
-    cctx = _compressor(level)
-    positions_frame = cctx.compress(escaped_gaps(positions).data)
-    xor = op == "xor"
-    values_frame = cctx.compress(_planes(masks if xor else changed_new))
-    repair = cctx.compress(_planes(changed_new)) if xor else None
-    small = count <= SMALL_PLANES
-    sparse = EncodedItem(
-        tensor,
-        region,
-        op,
-        count,
-        positions_frame + values_frame,
-        len(positions_frame),
-        (digest_small if small else digest_bytes)(masks ^ changed_new),
-        (digest_small if small else digest_bytes)(changed_new),
-        repair,
-        residual,
-    )
+    pending = _sparse(tensor, region, op, positions, masks, changed_new, level, residual)
     if count < DENSE_TRIAL_RATE * size:
-        return sparse
+        return pending if defer else pending.encode()
+    sparse = pending.encode()
     base, new = dense()
     dense_frame = encode_values(new, level)
     if len(dense_frame) >= len(sparse.data):
@@ -319,6 +306,82 @@ def encode_changes(
         residual=residual,
         changed=count,
     )
+
+
+def _sparse(
+    tensor: str,
+    region: Region,
+    op: Op,
+    positions: np.ndarray,
+    masks: np.ndarray,
+    changed_new: np.ndarray,
+    level: int | None,
+    residual: str | None,
+) -> PendingItem:
+    """The sparse item of a scanned change, its frames not compressed yet (``encode()`` compresses them):
+    escaped gaps and byte planes, each to be one zstd frame, and the digests of the changed elements."""
+    count = len(positions)
+    xor = op == "xor"
+    small = count <= SMALL_PLANES
+    digest = digest_small if small else digest_bytes
+    return PendingItem(
+        tensor,
+        region,
+        op,
+        count,
+        digest(masks ^ changed_new),
+        digest(changed_new),
+        residual,
+        (escaped_gaps(positions).data, _planes(masks if xor else changed_new), _planes(changed_new) if xor else None),
+        level,
+    )
+
+
+class PendingItem(EncodedItem):
+    """A sparse item whose sections are not compressed yet: their bytes, and ``encode()`` to compress them.
+
+    ``dcr diff`` hands these from the scanning workers to the delta writer's thread, which compresses
+    them (three zstd frames: a sixth of a large tensor's work after the scan) while the workers scan
+    on. ``encode()`` returns exactly the item ``encode_changes`` returns without ``defer``. Its own
+    ``data`` and ``positions_length`` are empty; ``held_bytes`` is what it holds until it is encoded.
+    """
+
+    def __init__(
+        self,
+        tensor: str,
+        region: Region,
+        op: Op,
+        count: int,
+        pre: str,
+        post: str,
+        residual: str | None,
+        raw: tuple[bytes | memoryview, bytes | memoryview, bytes | memoryview | None],
+        level: int | None,
+    ) -> None:
+        super().__init__(tensor, region, op, count, b"", 0, pre, post, None, residual)
+        self.raw = raw
+        self.level = level
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(len(r) for r in self.raw if r is not None)
+
+    def encode(self) -> EncodedItem:
+        cctx = _compressor(self.level)
+        gaps, values, repair = self.raw
+        positions_frame = cctx.compress(gaps)
+        return EncodedItem(
+            self.tensor,
+            self.region,
+            self.op,
+            self.count,
+            positions_frame + cctx.compress(values),
+            len(positions_frame),
+            self.pre,
+            self.post,
+            None if repair is None else cctx.compress(repair),
+            self.residual,
+        )
 
 
 _new_object = object.__new__

@@ -10,11 +10,40 @@ branch-free. It reads each input once and runs faster than a plain numpy XOR-and
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
+
+
+def _cacheable() -> bool:
+    """Whether numba may keep these kernels on disk (``__pycache__`` beside this file).
+
+    numba's cache stores, with each compiled kernel, the name of the module that defined it, and a
+    process that loads the kernel imports that module by that name (``numba.core.environment``'s
+    ``_rebuild_env``). Loaded under a name a fresh process cannot import (``importlib.util``'s
+    ``spec_from_file_location`` under another name, registered or not; numba then records
+    ``<dynamic>``), the saved kernels would make every later process that loads them, under any
+    name, fail with ModuleNotFoundError. So they are cached only when this module was imported as
+    the submodule of a package, by the name its file has there; otherwise they are compiled afresh.
+    """
+    package, _, leaf = __name__.rpartition(".")
+    me = sys.modules.get(__name__)
+    return (
+        bool(package)
+        and leaf == os.path.splitext(os.path.basename(__file__))[0]
+        and package in sys.modules
+        and me is not None
+        and vars(me) is globals()
+        and __spec__ is not None
+        and __spec__.name == __name__
+    )
+
+
+_CACHE = _cacheable()
 
 # Words compared per group: their changed-or-not bits make one 64-bit mask.
 GROUP_WORDS = 64
@@ -38,7 +67,7 @@ def _make_scan_words(lanes: int, release_gil: bool = True) -> Callable[..., tupl
     group = u(GROUP_WORDS)
     width = u(lanes)
 
-    @numba.njit(nogil=release_gil, cache=True, boundscheck=False)
+    @numba.njit(nogil=release_gil, cache=_CACHE, boundscheck=False)
     def scan_words(base_words, new_words, word_at, end_at, k_at, positions, masks, news):
         # Scans words [word, end), appending at ``k``; stops early when a group might not fit.
         # Returns (k, next word); the caller grows the outputs and resumes while next word < end.
@@ -142,7 +171,7 @@ def scan_changes(
     return positions[:k], masks[:k], news[:k]
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
 def _escaped_gaps(positions, out):
     k = positions.shape[0]
     escapes = 0
@@ -176,7 +205,7 @@ ESCAPE = 255
 POSITION_CEILING = 1 << 40
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
 def _positions_from_gaps(raw, count, out):  # pragma: no cover - compiled
     # Escaped gaps (delta-v1 §6.1) back to positions, in one pass each over the gaps and escapes.
     # Returns the number of escapes, or -(escapes + 1) when the bytes after the gaps are not 4 per escape.
@@ -221,7 +250,7 @@ def escaped_gaps(positions: np.ndarray) -> np.ndarray:
     return out[:size]
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
 def _split_planes(values, width, out):
     # Plane by plane, each a shift-and-mask over all values (a loop LLVM vectorizes).
     n = values.shape[0]
@@ -242,7 +271,7 @@ def byte_planes(values: np.ndarray) -> np.ndarray:
     return out
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
 def _merge_planes(raw, width, out):
     # The inverse of _split_planes: out[i] = sum of plane j's byte i << 8j (a loop LLVM vectorizes).
     n = out.shape[0]
@@ -269,7 +298,7 @@ def merge_planes(raw: np.ndarray, uint: np.dtype) -> np.ndarray:
 # --------------------------------------------------------------------------- batches of small items (receivers)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
 def _zstd_frames(blob, starts, ends, declared):  # pragma: no cover - compiled
     # Each blob[starts[f]:ends[f]] must be exactly one standard zstd frame (RFC 8878 §3.1.1) with a
     # content size, a content checksum and no dictionary id: the frames ``codec.decompress_bounded``
@@ -332,7 +361,7 @@ def zstd_frames(blob: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple
     return declared, int(_zstd_frames(blob, starts, ends, declared))
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
 def _apply_batch(raw, gaps_at, gaps_len, values_at, counts, widths, sizes, region_at, region_seg, xor, order,
                  buf, cur, new, patch_at, out_at, gap_bytes, join, spans):  # fmt: skip  # pragma: no cover - compiled
     # Items of one batch, each a flat region of ``sizes[k]`` elements of ``widths[k]`` bytes that

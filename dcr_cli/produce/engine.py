@@ -25,7 +25,15 @@ from ..checkpoints.shards import BAND_BYTES, RESIDUAL_BAND_BYTES, Chunk, ShardCh
 from ..delta.summary import DiffSummary, summarize
 from ..delta.writer import DeltaWriter
 from ..errors import IncompatibleError
-from ..format.codec import DEFAULT_LEVEL, EncodedItem, diff_region, digest_small, encode_changes, encode_span
+from ..format.codec import (
+    DEFAULT_LEVEL,
+    EncodedItem,
+    PendingItem,
+    diff_region,
+    digest_small,
+    encode_changes,
+    encode_span,
+)
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.dtypes import numel, uint_of
 from ..format.kernels import scan_changes
@@ -195,6 +203,8 @@ def diff_budget(workers: int) -> int:
 
 
 def _item_bytes(item: EncodedItem) -> int:
+    if type(item) is PendingItem:
+        return item.held_bytes + 512
     return len(item.data) + len(item.repair or b"") + 512
 
 
@@ -361,6 +371,11 @@ def execute(
     """
     workers = workers or default_workers()
     budget = budget or diff_budget(workers)
+    # With fewer workers than cores, a large tensor's items leave their worker with their frames not yet
+    # compressed (codec.PendingItem): this thread, the writer's, compresses them on a core of its own
+    # while the worker scans on. With a worker on every core it would only take turns with them, and
+    # compress the last items alone after the scan.
+    defer = workers < default_workers()
     fused = scan is None and getattr(base, "flat_is_memory", False) and getattr(new, "flat_is_memory", False)
     scan = scan or numpy_scan(level)
     # In a stream, the base was the previous diff's target: its digests are usually cached.
@@ -534,7 +549,7 @@ def execute(
                     )  # fmt: skip
                     item = encode_changes(
                         u.name, Region.range(u.start, u.stop), positions, masks, news, len(n), _const(b, n), op=u.op,
-                        level=level,
+                        level=level, defer=defer,
                     )  # fmt: skip
                     del positions, masks, news, views
                     if progress:
