@@ -114,6 +114,14 @@ def _committed_store(tmp: Path, url: str, opts: dict[str, Any], steps: int = 4) 
     return ckpts, deltas
 
 
+def _store_with_keyframe(tmp: Path) -> tuple[str, list[Path]]:
+    """A local store committed up to v4, with a keyframe at v0 (what compact builds shortcuts from)."""
+    url = str(tmp / "store")
+    ckpts, _deltas = _committed_store(tmp, url, {})
+    publish_keyframe(url, ckpts[0], version="v0")
+    return url, ckpts
+
+
 def test_compact_asks_about_its_own_blocks_and_never_lists_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,9 +230,7 @@ def test_gc_keeps_the_blocks_of_a_shortcut_published_while_it_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """gc read the shortcuts once, at its start: a dcr compact publishing one meanwhile lost its blocks."""
-    url = str(tmp_path / "store")
-    ckpts, _deltas = _committed_store(tmp_path, url, {})
-    publish_keyframe(url, ckpts[0], version="v0")
+    url, ckpts = _store_with_keyframe(tmp_path)
     listing = repo.Store.list
     compacted: list[Any] = []
 
@@ -256,9 +262,7 @@ def test_a_torn_apply_through_a_shortcut_lacking_a_repair_block_is_damage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A shortcut's blocks, repair blocks included, all precede its record (§6.2): one absent is lost (exit 2)."""
-    url = str(tmp_path / "store")
-    ckpts, _deltas = _committed_store(tmp_path, url, {})
-    publish_keyframe(url, ckpts[0], version="v0")
+    url, ckpts = _store_with_keyframe(tmp_path)
     assert compact(url, every=4).published == ["v0..v4"]
     the_plan = plan(url, "v0", allow_keyframe=False)
     assert [(s.kind, s.base, s.target) for s in the_plan.steps] == [("shortcut", "v0", "v4")]
