@@ -6,6 +6,12 @@ system (a sparse file, a tmpfs, a copy-on-write file system) it kills the proces
 says "applying", so a re-run after freeing space finishes the job. Reads use ``pread`` too: on
 a tmpfs even a read fault on a hole allocates a page.
 
+Digests are the exception: a file without holes (every byte allocated: ``st_blocks`` covers its
+size) is hashed straight from a read-only mapping. A read fault there never allocates, and BLAKE3
+then reads the page cache itself instead of a copy of it, which halves the memory traffic of
+``verify`` and of the apply's proof (about 2x faster on 2 cores). A file with holes is read with
+``pread``, as before.
+
 Writes land in the page cache that every reader of the file shares (mapped readers included);
 only data sections are ever written, so headers stay intact. An item's elements are written as
 *runs*: spans of the file that lie inside the item's region (so no other item's elements are
@@ -15,6 +21,7 @@ rewritten, even when items are written in parallel) and are dense enough to rewr
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -27,7 +34,7 @@ import numpy as np
 from ...checkpoints.safetensors_dir import TensorLocation
 from ...errors import IntegrityError
 from ...format.codec import small_bytes
-from ...format.digest import StreamingDigest
+from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import dtype as lookup_dtype
 from ...format.manifest import TensorEntry, make_entry
 from ...io.pool import Inline, ordered_parallel
@@ -123,6 +130,7 @@ class InPlaceFiles:
         self._fds: dict[Path, int] = {}
         self._written: set[Path] = set()
         self._lock = threading.Lock()
+        self._maps: dict[Path, tuple[mmap.mmap, memoryview] | None] = {}  # read-only mappings (digests)
         self._uints: dict[str, np.dtype] = {}  # tensor name -> its unsigned integer dtype (hot-loop lookup)
 
     def _uint(self, name: str) -> np.dtype:
@@ -136,10 +144,42 @@ class InPlaceFiles:
         if fd is not None:
             return fd
         with self._lock:
-            fd = self._fds.get(file)
-            if fd is None:
-                fd = self._fds[file] = os.open(file, os.O_RDWR if self.writable else os.O_RDONLY)
-            return fd
+            return self._fd_locked(file)
+
+    def _fd_locked(self, file: Path) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(file, os.O_RDWR if self.writable else os.O_RDONLY)
+        return fd
+
+    def _mapped(self, file: Path) -> memoryview | None:
+        """The bytes of ``file`` as a read-only mapping, or None where it has holes (or cannot be mapped):
+        digests are then read with pread (see the module's docstring)."""
+        if file in self._maps:  # a dict read is atomic
+            entry = self._maps[file]
+            return None if entry is None else entry[1]
+        with self._lock:
+            if file not in self._maps:
+                entry = None
+                fd = self._fd_locked(file)
+                st = os.fstat(fd)
+                if st.st_size > 0 and st.st_blocks * 512 >= st.st_size:
+                    try:
+                        m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                    except (OSError, ValueError):
+                        m = None
+                    if m is not None:
+                        entry = (m, memoryview(m))
+                self._maps[file] = entry
+            entry = self._maps[file]
+            return None if entry is None else entry[1]
+
+    def _span(self, loc: TensorLocation) -> memoryview | None:
+        """A tensor's stored bytes in its file's mapping, without a copy (None: read them with pread)."""
+        view = self._mapped(loc.file)
+        if view is None or loc.start + loc.nbytes > len(view):  # shorter than mapped: let pread say so
+            return None
+        return view[loc.start : loc.start + loc.nbytes]
 
     def open_all(self, names: Iterable[str]) -> None:
         """Open the files of ``names`` now (in this thread), so a missing permission fails before any write."""
@@ -239,8 +279,14 @@ class InPlaceFiles:
             _write_values(fd, loc.start + run.first * uint.itemsize, _bytes(data))
 
     def digest(self, name: str) -> str:
-        """BLAKE3 of a tensor's stored bytes, read in bounded chunks."""
+        """BLAKE3 of a tensor's stored bytes: from the file's mapping, or read in bounded chunks."""
         loc = self.locations[name]
+        span = self._span(loc)
+        if span is not None:
+            try:
+                return digest_bytes(span)
+            finally:
+                span.release()
         if loc.nbytes <= READ_CHUNK:  # one read, one single-threaded hash: the same digest, fewer calls
             return digest_small(self.read(name, 0, loc.numel, scratch=True))
         itemsize = lookup_dtype(loc.dtype).itemsize
@@ -260,6 +306,11 @@ class InPlaceFiles:
             os.fsync(self._fds[file])
 
     def close(self) -> None:
+        for entry in self._maps.values():
+            if entry is not None:
+                entry[1].release()
+                entry[0].close()
+        self._maps.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -306,14 +357,19 @@ def digest_small_tensors(files: InPlaceFiles, names: list[str]) -> list[tuple[st
                 break
             stop = max(stop, end)
             j += 1
-        buf = _scratch(stop - start)[: stop - start]
-        view = buf.data
-        if stop > start:
-            _read_into(files._fd(file), start, view, names[i])
+        mapped = files._mapped(file)
+        if mapped is not None and stop <= len(mapped):
+            view, base = mapped, 0  # hashed in place
+        else:
+            buf = _scratch(stop - start)[: stop - start]
+            view, base = buf.data, start
+            if stop > start:
+                _read_into(files._fd(file), start, view, names[i])
         for k in range(i, j):
             loc = locations[names[k]]
-            a = loc.start - start
-            out.append((names[k], blake3.blake3(view[a : a + loc.nbytes]).hexdigest()))
+            a = loc.start - base
+            with view[a : a + loc.nbytes] as piece:
+                out.append((names[k], blake3.blake3(piece).hexdigest()))
         i = j
     return out
 
