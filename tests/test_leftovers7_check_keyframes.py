@@ -153,3 +153,26 @@ def test_unnamed_keyframe_files_are_leftovers_not_damage(tmp_path: Path) -> None
     assert result.ok and result.unreferenced_keyframe_files == ["v1/" + "ef" * 32 + "-model.safetensors", "v2/stray"]
     proc = run_dcr("check", url)
     assert proc.returncode == 0 and ", 2 keyframe files" in proc.stdout
+
+
+def test_a_keyframe_a_gc_drops_while_check_runs_is_not_damage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc removes a dropped keyframe's record, then its files (store-v1 §6.4); check read the record before
+    and lists the files after: the files it finds gone are asked about again with the record, not reported."""
+    from dcr_cli.store import repo
+
+    url = str(tmp_path / "store")
+    _store(tmp_path, url, {})
+    root = tmp_path / "store" / "keyframes"
+    real = repo.Store.list
+
+    def listing(self: repo.Store, rel_dir: str) -> list[repo.Listing]:
+        if rel_dir == "keyframes/v0":  # the gc runs now: record, then files
+            (root / "v0.json").unlink()
+            for p in (root / "v0").iterdir():
+                p.unlink()
+        return real(self, rel_dir)
+
+    monkeypatch.setattr(repo.Store, "list", listing)
+    result = check(url)
+    assert result.ok, result.problems
+    assert result.keyframes == 1 and result.unreferenced_keyframe_files == []
