@@ -11,8 +11,14 @@ from .store_options import parse_storage_options, storage_options
 
 @click.command("check")
 @click.argument("url")
-@click.option("--read-data", is_flag=True, help="Download every referenced block and check its digest.")
-@click.option("--read-data-subset", metavar="N|P%", help="Check a random sample: N blocks or P percent of them.")
+@click.option(
+    "--read-data", is_flag=True, help="Download every referenced block and keyframe file and check its digest."
+)
+@click.option(
+    "--read-data-subset",
+    metavar="N|P%",
+    help="Check a random sample: N blocks or P percent of them (and as many of the keyframe files).",
+)
 @click.option("--seed", type=int, help="Seed of the random sample (default: different each run).")
 @click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True, help="Parallel downloads.")
 @storage_options
@@ -27,7 +33,8 @@ def command(
     storage_option: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Check the store at URL: structure, missing blocks, leftovers of killed pushes, and (optionally) bytes.
+    """Check the store at URL: structure, missing blocks and keyframe files, leftovers of killed pushes, and
+    (optionally) bytes.
 
     Exit 1 if anything is damaged; leftovers alone are reported with exit 0 (dcr gc removes them), and so
     are the repair blocks a push uploads after publishing a version (still going up, or that push was
@@ -52,10 +59,17 @@ def command(
             f"{url}: {result.versions} versions ({result.committed} committed), {result.blocks} blocks; "
             f"read {result.blocks_read} blocks ({human_bytes(result.bytes_read)})"
         )
-        if result.unreferenced_blocks or result.unreferenced_manifests:
+        if result.keyframes or result.unreferenced_keyframe_files:
+            say(
+                f"keyframes: {result.keyframes} ({result.keyframe_files} files); read {result.keyframe_files_read} "
+                f"files ({human_bytes(result.keyframe_bytes_read)})"
+            )
+        unreferenced_files = len(result.unreferenced_keyframe_files)
+        if result.unreferenced_blocks or result.unreferenced_manifests or unreferenced_files:
             say(
                 f"unreferenced (killed pushes or dropped versions; dcr gc removes them): "
                 f"{len(result.unreferenced_blocks)} blocks, {len(result.unreferenced_manifests)} manifests"
+                + (f", {unreferenced_files} keyframe files" if unreferenced_files else "")
             )
         for version, count in sorted(result.repair_pending.items()):
             say(

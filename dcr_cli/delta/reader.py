@@ -45,7 +45,7 @@ from ..format.manifest import (
 )
 from ..io.gc_pause import no_collections
 from .prefetch import BlockFetcher
-from .source import BlockSource
+from .source import BlockSource, StoreManifestSource
 
 if TYPE_CHECKING:
     from ..format.codec import DecodedItem
@@ -100,6 +100,18 @@ class Delta:
             raise IntegrityError(f"{location}: the manifest's bytes do not have the digest its name says (corrupt)")
         with no_collections():  # 100k items: the parse builds millions of objects and no cycles
             manifest = parse_manifest(raw)
+        in_store = _STORE_MANIFEST.fullmatch(location.rstrip("/")) if store is not None else None
+        if in_store is not None:
+            # A missing repair block is then told apart as the store would (not ready / lost, store-v1 §4.1).
+            source = StoreManifestSource(
+                fs,
+                root,
+                label=location,
+                store_url=in_store["root"],
+                manifest_id=digest,
+                base_version=manifest.base.version,
+                target_version=manifest.target.version,
+            )
         return Delta(location, manifest, digest, len(raw), source, manifest_path=manifest_path)
 
     # -- where the blocks are (kept for callers that use the filesystem directly) --------------------------------

@@ -11,15 +11,23 @@ so a push may be uploading them right now, or was stopped after publishing):
 they are reported apart, with the fix (re-run dcr push). Absent repair blocks
 of a version marked complete, or published by a 1.0 writer (which uploaded
 every block before the record), are damage.
+
+Keyframes (store-v1 §6.1) are checked too: each record under ``keyframes/``
+parses strictly and is of a committed state with its fingerprint, and every file
+it names is present under ``keyframes/<v>/`` with its size (one listing per
+keyframe); ``read_data`` also reads each file and checks its BLAKE3, which the
+object's name (``<BLAKE3>-<name>``) states. Files no record names (a publish
+stopped before its record) are reported as leftovers, like unreferenced blocks.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DcrError
 from ..format.manifest import BlockEntry, parse_manifest
@@ -35,8 +43,14 @@ from .repo import (
     Store,
     StoreBlockSource,
     VersionRecord,
+    check_label,
 )
 from .transfer import DEFAULT_WORKERS, block_intact, parallel
+
+if TYPE_CHECKING:
+    from .keyframes import KeyframeFile
+
+_DIGEST_NAMED = re.compile(r"([0-9a-f]{64})-.+", re.DOTALL)  # a keyframe object named by its content: <BLAKE3>-<name>
 
 
 @dataclass
@@ -55,6 +69,11 @@ class CheckResult:
     # version -> repair blocks absent while its push has not marked it complete (uploading, or stopped after
     # publishing: re-run dcr push); not damage
     repair_pending: dict[str, int] = field(default_factory=dict)
+    keyframes: int = 0  # keyframe records read
+    keyframe_files: int = 0  # files they name
+    keyframe_files_read: int = 0
+    keyframe_bytes_read: int = 0
+    unreferenced_keyframe_files: list[str] = field(default_factory=list)  # "<v>/<object>" no record names
 
     @property
     def ok(self) -> bool:
@@ -166,11 +185,21 @@ def check(
         repair_pending=repair_pending,
     )
 
+    frames, present, unreferenced_files = _check_keyframes(store, genesis, chain, problems)
+    result.keyframes = len(frames)
+    result.keyframe_files = sum(len(files) for files in frames.values())
+    result.unreferenced_keyframe_files = unreferenced_files
+
     if read_data or subset is not None:
         candidates = sorted(b for b in referenced if blocks.get(b) == referenced[b])
         if subset is not None:
             count = subset if isinstance(subset, int) else max(1, round(len(candidates) * subset))
             candidates = sorted(random.Random(seed).sample(candidates, min(count, len(candidates))))
+        # Keyframe files are sampled apart (the same N or P% of them): one is a whole checkpoint file.
+        files = present
+        if subset is not None:
+            count = subset if isinstance(subset, int) else max(1, round(len(files) * subset))
+            files = sorted(random.Random(seed).sample(files, min(count, len(files))))
         source = StoreBlockSource(store)
 
         def verify(block_id: str) -> bool:
@@ -185,7 +214,111 @@ def check(
         problems.extend(
             f"block {b[:16]}… is corrupt (digest mismatch)" for b, ok in zip(candidates, intact, strict=True) if not ok
         )
+
+        def verify_file(version: str, f: KeyframeFile) -> bool:
+            ok = block_intact(_KeyframeFileSource(store, version, f), BlockEntry(f.digest, f.size, "data"))
+            if progress is not None:
+                progress(f.size)
+            return ok
+
+        intact = parallel((functools.partial(verify_file, v, f) for v, f in files), workers)
+        result.keyframe_files_read = len(files)
+        result.keyframe_bytes_read = sum(f.size for _, f in files)
+        problems.extend(
+            f"keyframe file {f.name} of {v!r} is corrupt: its bytes do not have the BLAKE3 {f.digest[:16]}… its "
+            f"record and name say (keyframes/{v}/{f.stored[:40]}); {_republish(store, v)}"
+            for (v, f), ok in zip(files, intact, strict=True)
+            if not ok
+        )
     return result
+
+
+def _republish(store: Store, version: str) -> str:
+    """The fix for a damaged keyframe: a publish stops at an existing record (store-v1 §6.1), so it goes first."""
+    return (
+        f"a joining receiver refuses it; remove keyframes/{version}.json, then publish it again "
+        f"(dcr compact {store.url} --keyframe CHECKPOINT --version {version})"
+    )
+
+
+class _KeyframeFileSource(StoreBlockSource):
+    """A keyframe file read as a block is (store-v1 §6.1): in bounded ranges, at most its recorded size plus
+    one byte, its BLAKE3 computed as the ranges arrive."""
+
+    def __init__(self, store: Store, version: str, file: KeyframeFile) -> None:
+        from .keyframes import keyframe_object
+
+        super().__init__(store)
+        self.rel = keyframe_object(version, file)
+
+    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
+        return self.store.read_range(self.rel, start, end)
+
+
+def _check_keyframes(
+    store: Store, genesis: Ref, chain: list[CommitRecord], problems: list[str]
+) -> tuple[dict[str, list[KeyframeFile]], list[tuple[str, KeyframeFile]], list[str]]:
+    """Keyframe records and their files (store-v1 §6.1); damage goes to ``problems``.
+
+    Returns (the files of each readable record, the files present with their size: what ``read_data``
+    reads, the objects under ``keyframes/<v>/`` that no record names)."""
+    from .keyframes import KEYFRAME_KIND, KEYFRAMES, KeyframeRecord
+
+    committed = {genesis.version: genesis.fingerprint, **{c.target.version: c.target.fingerprint for c in chain}}
+    frames: dict[str, list[KeyframeFile]] = {}
+    for entry in sorted(store.list(KEYFRAMES), key=lambda e: e.name):  # findings in name order, on any backend
+        if not entry.name.endswith(".json") or entry.name.startswith(TMP_PREFIX):
+            continue
+        name, rel = entry.name[: -len(".json")], f"{KEYFRAMES}/{entry.name}"
+        try:
+            check_label(name, "keyframe")
+            obj = store.read_record(rel, KEYFRAME_KIND)
+            if obj is None:  # removed since the listing (a gc dropping an old keyframe)
+                continue
+            record = KeyframeRecord.from_json(obj, f"{store.url}/{rel}")
+        except DcrError as exc:
+            problems.append(f"{rel}: {exc}")
+            continue
+        if record.version != name:
+            problems.append(f"{rel} is the record of another keyframe ({record.version!r})")
+            continue
+        frames[name] = record.files
+        if name not in committed:
+            problems.append(f"keyframe {name!r} is not of a committed version (receivers ignore it)")
+        elif committed[name] != record.fingerprint:
+            problems.append(
+                f"keyframe {name!r} holds fingerprint {record.fingerprint[:16]}…, not its committed target "
+                f"{committed[name][:16]}… (receivers ignore it)"
+            )
+
+    present: list[tuple[str, KeyframeFile]] = []
+    unreferenced: list[str] = []
+    folders = set(store.list_dirs(KEYFRAMES))
+    for name in sorted(folders | set(frames)):
+        listed = {e.name: e.size for e in store.list(f"{KEYFRAMES}/{name}")} if name in folders else {}
+        files = frames.get(name, [])
+        if any(listed.get(f.stored) is None for f in files) and not store.exists(f"{KEYFRAMES}/{name}.json"):
+            # A gc dropped this keyframe while check ran (record first, then its files: §6.4); not damage.
+            frames.pop(name)
+            files = []
+        for f in files:
+            where = f"keyframe file {f.name} of {name!r}"
+            named = _DIGEST_NAMED.fullmatch(f.stored)
+            if named is not None and named[1] != f.digest:
+                problems.append(
+                    f"{where}: its object {f.stored[:40]} is named for BLAKE3 {named[1][:16]}…, but the record "
+                    f"says {f.digest[:16]}…"
+                )
+            size = listed.get(f.stored)
+            if size is None:
+                problems.append(f"{where} is missing (keyframes/{name}/{f.stored[:40]}); {_republish(store, name)}")
+            elif size != f.size:
+                problems.append(f"{where} has {size} bytes, expected {f.size}; {_republish(store, name)}")
+            else:
+                present.append((name, f))
+        stored = {f.stored for f in files}
+        unreferenced.extend(f"{name}/{obj}" for obj in sorted(listed) if obj not in stored)
+    return frames, present, unreferenced
 
 
 def _records(store: Store, problems: list[str]) -> dict[str, VersionRecord]:
