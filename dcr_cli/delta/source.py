@@ -12,17 +12,27 @@ and its digest is computed as the ranges arrive.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import DcrError, FormatError, IntegrityError, NotReadyError
+from ..errors import DcrError, IntegrityError, NotReadyError
 from ..format.digest import StreamingDigest
 from ..format.manifest import BLOCKS_DIR, BlockEntry
-from ..format.strict_json import load_json
+from ..format.store_records import (
+    COMPLETE,
+    MARKER,
+    MAX_RECORD_BYTES,
+    SHORTCUT_KIND,
+    SHORTCUTS,
+    STORE_FORMAT,
+    VERSION_KIND,
+    VERSIONS,
+    is_label,
+    parse_record,
+)
 from ..io.reading import RegularFiles, read_regular_file
 
 T = TypeVar("T")
@@ -95,20 +105,6 @@ class BlockSource:
             raise IntegrityError(f"block {block.id[:16]}… in {self.label} is corrupt (digest mismatch)")
 
 
-# A dcr store's layout (format_spec/store-v1.md §1, §3, §6.2), as the store package names it
-# (store/repo.py, store/keyframes.py): this layer reads the few records a missing repair block needs
-# itself, since the delta layer builds on nothing above it (tests/test_layers.py).
-STORE_MARKER, STORE_KIND = "dcr-store.json", "dcr.store"
-VERSION_KIND, SHORTCUT_KIND = "dcr.store.version", "dcr.store.shortcut"
-STORE_MAJOR = 1
-MAX_RECORD_BYTES = 1 << 20
-_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # store-v1 §1.1
-
-
-def _is_label(text: str) -> bool:
-    return bool(_LABEL.fullmatch(text)) and not text.endswith(".json")
-
-
 class StoreManifestSource(BlockSource):
     """The blocks of a manifest opened by its location in a dcr store, ``STORE/manifests/<digest>.json``
     (``Delta.open``; the location a Delta opened through the store gives, e.g. to a vLLM worker).
@@ -142,7 +138,7 @@ class StoreManifestSource(BlockSource):
     def missing_repair(self, what: str) -> DcrError:
         url, target = self.store_url, self.target_version
         try:
-            if self._record(STORE_MARKER, STORE_KIND) is None:  # laid out like a store, but not one
+            if self._record(MARKER, STORE_FORMAT) is None:  # laid out like a store, but not one
                 return super().missing_repair(what)
             record, kind = self._naming_record()
             if record is None:
@@ -151,7 +147,7 @@ class StoreManifestSource(BlockSource):
                     f"open it through the store (dcr apply {url} --version VERSION), or fetch the delta with "
                     "its repair blocks (dcr pull --repair), then re-run"
                 )
-            promised = kind == "shortcut" or record["format_version"][1] < 1 or self._exists(f"complete/{target}")
+            promised = kind == "shortcut" or record["format_version"][1] < 1 or self._exists(f"{COMPLETE}/{target}")
         except DcrError as exc:  # fail closed either way; the line says what could not be asked
             return IntegrityError(f"{what}; asking {url} whether its push is still uploading it failed: {exc}")
         if promised:
@@ -168,19 +164,19 @@ class StoreManifestSource(BlockSource):
     def _naming_record(self) -> tuple[dict[str, Any] | None, str]:
         """The version or shortcut record that names this manifest, and which kind it is (None if neither)."""
         base, target = self.base_version, self.target_version
-        if not _is_label(target):
+        if not is_label(target):
             return None, ""
-        record = self._record(f"versions/{target}.json", VERSION_KIND)
+        record = self._record(f"{VERSIONS}/{target}.json", VERSION_KIND)
         if record is not None and record.get("manifest") == self.manifest_id:
             return record, "version"
-        if _is_label(base):
-            record = self._record(f"shortcuts/{base}/{target}.json", SHORTCUT_KIND)
+        if is_label(base):
+            record = self._record(f"{SHORTCUTS}/{base}/{target}.json", SHORTCUT_KIND)
             if record is not None and record.get("manifest") == self.manifest_id:
                 return record, "shortcut"
         return None, ""
 
     def _record(self, rel: str, kind: str) -> dict[str, Any] | None:
-        """A store record of ``kind`` (at most MAX_RECORD_BYTES, strict JSON, major 1), or None if absent."""
+        """A store record of ``kind`` (parsed as the store parses it), or None if absent."""
         path = f"{self.root}/{rel}"
         where = f"{self.store_url}/{rel}"
         end = MAX_RECORD_BYTES + 1  # one byte more: is it larger?
@@ -193,17 +189,7 @@ class StoreManifestSource(BlockSource):
             return None
         except OSError as exc:
             raise DcrError(f"{where}: {exc.strerror or exc}") from None
-        if len(raw) > MAX_RECORD_BYTES:
-            raise FormatError(f"{where}: over the {MAX_RECORD_BYTES} byte limit of a record")
-        obj = load_json(raw, where)
-        version = obj.get("format_version") if isinstance(obj, dict) else None
-        if not isinstance(obj, dict) or obj.get("format") != kind:
-            raise FormatError(f"{where}: not a {kind} record")
-        if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
-            raise FormatError(f"{where}: format_version must be [major, minor]")
-        if version[0] != STORE_MAJOR:
-            raise FormatError(f"{where}: store format major version {version[0]} is not supported; upgrade dcr")
-        return obj
+        return parse_record(raw, kind, where)
 
     def _exists(self, rel: str) -> bool:
         path = f"{self.root}/{rel}"

@@ -38,6 +38,7 @@ from ..delta.squash import UnsquashableError, squash
 from ..errors import ConflictError, DcrError, FormatError, IncompatibleError, IntegrityError
 from ..format.digest import StreamingDigest, is_digest
 from ..format.manifest import fingerprint, parse_manifest
+from ..format.store_records import SHORTCUT_KIND, SHORTCUTS
 from ..io.files import fsync_dir
 from .repo import MANIFESTS, STORE_MAJOR, STORE_MINOR, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
 from .transfer import (
@@ -56,9 +57,7 @@ from .transfer import (
 )
 
 KEYFRAMES = "keyframes"
-SHORTCUTS = "shortcuts"
 KEYFRAME_KIND = "dcr.store.keyframe"
-SHORTCUT_KIND = "dcr.store.shortcut"
 _READ = 8 << 20
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -35,43 +34,43 @@ from ..delta.source import BlockSource
 from ..errors import DcrError, FormatError, IntegrityError, NotReadyError
 from ..format.digest import digest_bytes, is_digest
 from ..format.manifest import BlockEntry
+from ..format.store_records import (
+    COMPLETE,
+    MARKER,
+    MAX_RECORD_BYTES,
+    STORE_FORMAT,
+    STORE_MAJOR,
+    STORE_MINOR,
+    VERSION_KIND,
+    VERSIONS,
+    is_label,
+    parse_record,
+)
+from ..format.store_records import LABEL as _LABEL
 from ..format.strict_json import load_json
 from ..io.retry import calling
 from .backends import Capabilities, open_filesystem
 
 T = TypeVar("T")
 
-STORE_FORMAT = "dcr.store"
-STORE_MAJOR = 1
-STORE_MINOR = 1
-MARKER = "dcr-store.json"
 BLOCKS = "blocks"
 MANIFESTS = STORE_MANIFESTS
-VERSIONS = "versions"
 ACKS = "acks"
 COMMITS = "commits"
 CHILDREN = "children"
-COMPLETE = "complete"  # complete/<version>: every block of the version, repair blocks included, is uploaded (1.1)
 LATEST = "latest.json"
 
-MAX_RECORD_BYTES = 1 << 20
 POLL_S = 0.05  # between two questions of a command that waits (--wait) for something to appear on a store
-_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_label(label: str, what: str) -> str:
     """Version and receiver labels become object names: allow only a safe, portable alphabet."""
-    if not isinstance(label, str) or not _LABEL.fullmatch(label) or label.endswith(".json"):
+    if not isinstance(label, str) or not is_label(label):
         raise DcrError(
             f"{what} {label!r} is not a valid label: use 1-128 characters from A-Z a-z 0-9 . _ -, "
             "starting with a letter or digit"
         )
     return label
-
-
-def is_label(text: str) -> bool:
-    """Whether ``text`` is a valid version or receiver label (store-v1 §1.1)."""
-    return bool(_LABEL.fullmatch(text)) and not text.endswith(".json")
 
 
 def utc_now() -> str:
@@ -80,24 +79,6 @@ def utc_now() -> str:
 
 def dumps(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n"
-
-
-def parse_record(raw: bytes, kind: str, where: str) -> dict[str, Any]:
-    """Parse a store record of the given kind, refusing unknown majors and malformed JSON."""
-    if len(raw) > MAX_RECORD_BYTES:
-        raise FormatError(f"{where}: record of {len(raw)} bytes is over the {MAX_RECORD_BYTES} byte limit")
-    obj = load_json(raw, where)  # duplicate keys, deep nesting, huge integers...: refused
-    if not isinstance(obj, dict) or obj.get("format") != kind:
-        raise FormatError(f"{where}: not a {kind} record")
-    version = obj.get("format_version")
-    if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
-        raise FormatError(f"{where}: format_version must be [major, minor]")
-    if version[0] != STORE_MAJOR:
-        raise FormatError(
-            f"{where}: store format major version {version[0]} is not supported by this dcr "
-            f"(reads {STORE_MAJOR}.x); upgrade dcr"
-        )
-    return obj
 
 
 @dataclass(frozen=True)
@@ -143,7 +124,7 @@ class VersionRecord:
     producer: str = ""
     minor: int = STORE_MINOR  # format_version minor it was written with: from 1.1 on, repair blocks follow the record
 
-    KIND = "dcr.store.version"
+    KIND = VERSION_KIND
 
     @property
     def change_rate(self) -> float:
