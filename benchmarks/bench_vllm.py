@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_vllm.py [--size medium] [--rates 0.03,0.005] [--repeat 3]
     PYTHONPATH=. python benchmarks/bench_vllm.py --source train --size small    # two real AdamW steps
+    PYTHONPATH=. python benchmarks/bench_vllm.py --rates 0.03,0.03,0.03,0.005,0.005 --repeat 5   # best of several
 
 Synthetic corpus (default, nothing downloaded): a Qwen3-shaped BF16 checkpoint with random weights
 (``--size``: tiny ~4 MiB, small ~44 MiB, medium ~0.5 GiB, large ~1 GiB); each later version changes
@@ -265,6 +266,25 @@ def main() -> None:
                     f"    engine pause window: {a['pause_seconds'] * 1e3:8.1f} ms  {a['pause_seconds'] / dense:5.2f}x"
                     f"   (checked and read before it: {a.get('prepare_seconds', 0.0) * 1e3:.1f} ms)"
                 )
+        # Best of each (this box is shared: the least disturbed run of a step is its cost), per rate.
+        best_dense = min(dense_times)
+        by_rate: dict[Any, list[dict[str, Any]]] = {}
+        for a in figures["applies"][1:]:
+            by_rate.setdefault(a["rate"], []).append(a)
+        print(f"best of each: dense reload {best_dense * 1e3:.1f} ms (of {len(dense_times)})")
+        for rate, runs in by_rate.items():
+            wall = min(r["wall"] for r in runs)
+            floor = min(r["floor"] for r in runs)
+            pause = min(r.get("pause_seconds", r["wall"]) for r in runs)
+            shown = "" if rate is None else f"{rate:.1%} "
+            print(
+                f"  steady {shown}(best of {len(runs)}): {wall * 1e3:.1f} ms {wall / best_dense:5.2f}x, pause "
+                f"{pause * 1e3:.1f} ms {pause / best_dense:5.2f}x; proof floor {floor * 1e3:.1f} ms "
+                f"{floor / best_dense:5.2f}x; apply above the floor {(wall - floor) * 1e3:.1f} ms "
+                f"{(wall - floor) / best_dense:5.2f}x"
+            )
+            figures.setdefault("best", {})[str(rate)] = {"wall": wall, "pause": pause, "floor": floor}
+        figures["best_dense"] = best_dense
         label = f"verify_llm (median of {args.repeat}):"
         print(f"{label:<59}{verify_s * 1e3:8.1f} ms  {verify_s / dense:5.2f}x")
         print(f"  load average {os.getloadavg()[0]:.1f}")
