@@ -6,7 +6,9 @@ real in-process engine driver (every call still goes to vLLM).
 
 from __future__ import annotations
 
+import gc
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -85,9 +87,23 @@ def test_a_bad_delta_never_pauses_the_engine(qwen3: list[Path], tmp_path: Path) 
         assert engine.calls == ["claim", "prepare", "release"], engine.calls
         assert differing(resident_bits(llm), before) == []
 
-    # The good delta: checked and read first, then one pause that covers the update only.
+    # The good delta: checked and read first, then one pause that covers the update only. vLLM
+    # froze this process's heap, and gc.get_freeze_count() walks that whole heap (105-117 ms a call
+    # on the medium bench): neither the client nor the worker asks it when they open the delta.
+    assert gc.get_freeze_count() > 0
+    asked: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and arg is gc.get_freeze_count:
+            asked.append(frame.f_code.co_qualname)
+
     engine = Recording(llm)
-    report = apply_to_engine(engine, root / "d1")
+    sys.setprofile(profile)
+    try:
+        report = apply_to_engine(engine, root / "d1")
+    finally:
+        sys.setprofile(None)
+    assert asked == [], asked
     assert engine.calls[:3] == ["claim", "prepare", "pause"] and engine.calls.count("pause") == 1, engine.calls
     assert engine.calls[-1] == "release", engine.calls
     assert engine.calls.index("update") > engine.calls.index("pause")

@@ -742,6 +742,11 @@ class EngineReceiver:
 
             return run
 
+        if self.single:
+            # Largest first: results are consumed in submission order from a window of 2 x workers,
+            # so a large item (an embedding's, 10x a layer's) behind small ones holds the window while
+            # the other cores run out of work. Several ranks keep the manifest's order (the same on all).
+            todo.sort(key=lambda t: -t[1].count)
         tasks = (task(*t) for t in todo)
         # One rank: items on all cores (zstd, BLAKE3 and numpy's copies release the GIL); several
         # ranks exchange pieces per item, in the same order on every rank.

@@ -47,11 +47,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...delta.reader import Delta
 from ...errors import DcrError
 from ...format.manifest import TensorEntry
 from ...format.strict_json import load_json
 from .apply import EngineReceiver, Exchange, single_rank
+from .client import open_in_frozen_heap
 
 BACKEND_NAME = "dcr"
 RPC_METHOD = "dcr_rpc"
@@ -133,7 +133,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
     def receive_weights(self, update_info: DcrUpdateInfo) -> None:
         if not update_info.delta:
             raise DcrError('update_info needs {"delta": LOCATION} (a dcr delta directory or URL)')
-        self.last_report = self.receiver.apply(Delta.open(update_info.delta)).to_json()
+        self.last_report = self.receiver.apply(open_in_frozen_heap(update_info.delta)).to_json()
 
     def shutdown(self) -> None:
         pass
@@ -227,14 +227,15 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
     if op == "release":
         return _release(engine, str(args.get("token")))
     if op == "check":
-        return {"ok": True, "mode": receiver.check(Delta.open(args["delta"])), "state": receiver.state.to_json()}
+        mode = receiver.check(open_in_frozen_heap(args["delta"]))
+        return {"ok": True, "mode": mode, "state": receiver.state.to_json()}
     if op == "prepare":  # check, and the first pass staged for the update that follows
-        mode = receiver.prepare(Delta.open(args["delta"]))
+        mode = receiver.prepare(open_in_frozen_heap(args["delta"]))
         return {"ok": True, "mode": mode, "state": receiver.state.to_json(), "session_open": _session_open(wrapper)}
     if op == "verify":
         table = None
         if args.get("delta"):
-            table = Delta.open(args["delta"]).manifest.tensors
+            table = open_in_frozen_heap(args["delta"]).manifest.tensors
         elif args.get("table"):
             table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in args["table"].items()}
         return {"ok": True, **receiver.verify(table)}
