@@ -101,6 +101,24 @@ def s3_url(s3_endpoint: S3Endpoint) -> str:
     return f"s3://{bucket}/store"
 
 
+@pytest.fixture
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any], dict[str, str] | None]:
+    """(store URL, storage options, environment for a dcr subprocess) of a store that is ``"local"`` or
+    ``"s3"`` (a bucket on the moto server), by the test's indirect parameter."""
+    if request.param == "local":
+        return str(tmp_path / "store"), {}, None
+    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+    return request.getfixturevalue("s3_url"), endpoint.storage_options, endpoint.env()
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str], prefix: str = "dcr: error: ") -> str:
+    """The single line a failed dcr command writes to stderr (``prefix`` ...), and no traceback."""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
 @dataclass
 class GCSEndpoint:
     """fake-gcs-server serving the GCS JSON API on 127.0.0.1 (preconditions such as ifGenerationMatch enforced)."""

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from store_fixtures import one_error_line
 
 from dcr_cli.cli.common import exit_code_of, one_line
 from dcr_cli.errors import (
@@ -43,14 +44,6 @@ def _run_patched(patch: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
-def _one_error_line(proc: subprocess.CompletedProcess[str], prefix: str = "dcr: error: ") -> str:
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(prefix), proc.stderr
-    assert "Traceback" not in proc.stderr
-    return lines[0]
-
-
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -66,7 +59,7 @@ def test_usage_errors_are_one_line_exit_2(tmp_path: Path, args: list[str], needl
     (tmp_path / "FILE").write_text("not a directory")
     proc = _run(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    line = _one_error_line(proc)
+    line = one_error_line(proc)
     assert needle in line
     assert "--help" in line  # says what to do next
     assert proc.stdout == ""
@@ -82,7 +75,7 @@ def test_help_and_version_still_exit_0() -> None:
 def test_dcr_error_keeps_its_code(tmp_path: Path) -> None:
     proc = _run("inspect", str(tmp_path / "missing"))
     assert proc.returncode == 2
-    assert "is not a dcr delta" in _one_error_line(proc)
+    assert "is not a dcr delta" in one_error_line(proc)
 
 
 def test_os_error_is_exit_2() -> None:
@@ -97,7 +90,7 @@ def test_os_error_is_exit_2() -> None:
         "x",
     )
     assert proc.returncode == 2
-    assert _one_error_line(proc) == "dcr: error: Permission denied (/some/file)"
+    assert one_error_line(proc) == "dcr: error: Permission denied (/some/file)"
 
 
 def test_unexpected_exception_is_an_internal_error_exit_70() -> None:
@@ -112,7 +105,7 @@ def test_unexpected_exception_is_an_internal_error_exit_70() -> None:
         "x",
     )
     assert proc.returncode == EXIT_INTERNAL == 70
-    line = _one_error_line(proc, prefix="dcr: internal error: ")
+    line = one_error_line(proc, prefix="dcr: internal error: ")
     assert line.startswith("dcr: internal error: ZeroDivisionError: division by zero\\nsecond line")
     assert "this is a bug in dcr; please report it with the command line" in line
 
@@ -138,7 +131,7 @@ def test_keyboard_interrupt_is_130() -> None:
         "x",
     )
     assert proc.returncode == EXIT_INTERRUPTED == 130
-    assert _one_error_line(proc) == "dcr: error: interrupted"
+    assert one_error_line(proc) == "dcr: error: interrupted"
 
 
 def test_error_raised_outside_a_command_body_takes_the_same_path() -> None:
@@ -154,7 +147,7 @@ def test_error_raised_outside_a_command_body_takes_the_same_path() -> None:
         "x",
     )
     assert proc.returncode == 70
-    assert "RuntimeError: context failed" in _one_error_line(proc, prefix="dcr: internal error: ")
+    assert "RuntimeError: context failed" in one_error_line(proc, prefix="dcr: internal error: ")
 
 
 def test_exit_code_mapping() -> None:

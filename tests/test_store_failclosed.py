@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
 from store_fixtures import (
-    S3Endpoint,
     big_delta,
     count_store_questions,
     half_writes_then_eio,
     make_deltas,
+    one_error_line,
     run_dcr,
     tear_from_store,
 )
@@ -28,21 +28,6 @@ from dcr_cli.format.manifest import parse_manifest
 from dcr_cli.store import Store, acknowledge, check, commit, gc, keyframes, push, repo
 from dcr_cli.store.keyframes import compact, join, open_plan, plan, publish_keyframe, shortcuts
 from dcr_cli.store.transfer import PushResult, split_roles
-
-
-@pytest.fixture
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any], dict[str, str] | None]:
-    if request.param == "local":
-        return str(tmp_path / "store"), {}, None
-    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
-    return request.getfixturevalue("s3_url"), endpoint.storage_options, endpoint.env()
-
-
-def _one_error_line(proc: Any) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dcr: error: "), proc.stderr
-    return str(lines[0])
-
 
 # -- 1. a torn apply before the repair blocks are up ------------------------------------------------------------------
 
@@ -69,7 +54,7 @@ def test_a_torn_apply_before_the_repair_upload_is_not_ready_and_after_a_loss_is_
 
     push(delta, url, storage_options=opts, on_published=published)
     (proc,) = refused
-    line = _one_error_line(proc)
+    line = one_error_line(proc)
     assert proc.returncode == 4, proc.stderr  # not ready: retry once the push has finished
     assert "torn" in line and "does not have it yet" in line and "re-run dcr push DELTA" in line
 
@@ -86,14 +71,14 @@ def test_a_torn_apply_before_the_repair_upload_is_not_ready_and_after_a_loss_is_
         store.delete(f"blocks/{b.id}")
     before = read_raw(torn2)
     lost = run_dcr("apply", url, "--version", "v1", "--into", str(torn2), env=env)
-    line = _one_error_line(lost)
+    line = one_error_line(lost)
     assert lost.returncode == 2 and "lost it" in line and f"restore it with dcr push DELTA {url}" in line
     assert read_raw(torn2) == before
 
     # The same block absent from a version without complete/v1 is pending again (exit 4).
     store.delete("complete/v1")
     again = run_dcr("apply", url, "--version", "v1", "--into", str(torn2), env=env)
-    assert again.returncode == 4 and "does not have it yet" in _one_error_line(again)
+    assert again.returncode == 4 and "does not have it yet" in one_error_line(again)
     assert read_raw(torn2) == before
 
     push(delta, url, storage_options=opts)  # restores the repair blocks and complete/v1
@@ -209,7 +194,7 @@ def test_a_keyframe_publish_stopped_half_way_is_invisible_swept_by_gc_and_finish
     assert store.list("keyframes/v2") and not store.exists("keyframes/v2.json")
     assert keyframes.newest_keyframe(store) is None  # nothing a joiner could pick
     proc = run_dcr("pull", url, "--join", "-o", str(tmp_path / "nope"))
-    assert proc.returncode == 2 and "no keyframe is published" in _one_error_line(proc)
+    assert proc.returncode == 2 and "no keyframe is published" in one_error_line(proc)
     assert not (tmp_path / "nope").exists()
 
     # gc leaves a young leftover alone (a publish may be running) and sweeps it once past the grace period.
@@ -280,5 +265,5 @@ def test_a_torn_apply_through_a_shortcut_lacking_a_repair_block_is_damage(
     before = read_raw(recv)
     proc = run_dcr("apply", url, "--since", "v0", "--into", str(recv))
     assert proc.returncode == 2, proc.stderr
-    assert "lost it although shortcut 'v4' is complete" in _one_error_line(proc)
+    assert "lost it although shortcut 'v4' is complete" in one_error_line(proc)
     assert read_raw(recv) == before

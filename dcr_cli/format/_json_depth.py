@@ -6,39 +6,13 @@ alone costs a short command (dcr ack, dcr commit, dcr status) a few tenths of a 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numba
 import numpy as np
 
+# Absolute, so that a copy of this file loaded on its own still finds it (see _numba_cache).
+from dcr_cli.format._numba_cache import cacheable
 
-def _cacheable() -> bool:
-    """Whether numba may keep the scan on disk (``__pycache__`` beside this file).
-
-    numba's cache stores, with the compiled scan, the name of the module that defined it, and a
-    process that loads it imports that module by that name. Loaded under a name a fresh process cannot
-    import (``importlib.util.spec_from_file_location`` under another name, registered or not; numba
-    then records ``<dynamic>``), the saved scan would make every later process that reads a large
-    document fail with ModuleNotFoundError. So it is cached only when this module was imported as the
-    submodule of a package, by the name its file has there. The same rule as format/kernels.py's
-    guard, kept here rather than shared: a shared module would be one more import a standalone copy
-    of either file cannot resolve (tests/test_kernel_cache.py loads kernels.py that way).
-    """
-    package, _, leaf = __name__.rpartition(".")
-    me = sys.modules.get(__name__)
-    return (
-        bool(package)
-        and leaf == os.path.splitext(os.path.basename(__file__))[0]
-        and package in sys.modules
-        and me is not None
-        and vars(me) is globals()
-        and __spec__ is not None
-        and __spec__.name == __name__
-    )
-
-
-_CACHE = _cacheable()
+_CACHE = cacheable(globals())
 
 
 @numba.njit(nogil=True, cache=_CACHE, boundscheck=False)

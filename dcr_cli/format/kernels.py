@@ -10,40 +10,16 @@ branch-free. It reads each input once and runs faster than a plain numpy XOR-and
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
+# Absolute, so that a copy of this file loaded on its own still finds it (see _numba_cache).
+from dcr_cli.format._numba_cache import cacheable
 
-def _cacheable() -> bool:
-    """Whether numba may keep these kernels on disk (``__pycache__`` beside this file).
-
-    numba's cache stores, with each compiled kernel, the name of the module that defined it, and a
-    process that loads the kernel imports that module by that name (``numba.core.environment``'s
-    ``_rebuild_env``). Loaded under a name a fresh process cannot import (``importlib.util``'s
-    ``spec_from_file_location`` under another name, registered or not; numba then records
-    ``<dynamic>``), the saved kernels would make every later process that loads them, under any
-    name, fail with ModuleNotFoundError. So they are cached only when this module was imported as
-    the submodule of a package, by the name its file has there; otherwise they are compiled afresh.
-    """
-    package, _, leaf = __name__.rpartition(".")
-    me = sys.modules.get(__name__)
-    return (
-        bool(package)
-        and leaf == os.path.splitext(os.path.basename(__file__))[0]
-        and package in sys.modules
-        and me is not None
-        and vars(me) is globals()
-        and __spec__ is not None
-        and __spec__.name == __name__
-    )
-
-
-_CACHE = _cacheable()
+_CACHE = cacheable(globals())
 
 # Words compared per group: their changed-or-not bits make one 64-bit mask.
 GROUP_WORDS = 64

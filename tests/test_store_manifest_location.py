@@ -13,27 +13,13 @@ from typing import Any
 
 import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
-from store_fixtures import S3Endpoint, big_delta, run_dcr, tear_from_store
+from store_fixtures import big_delta, one_error_line, run_dcr, tear_from_store
 
 from dcr_cli.api import apply
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import DcrError
 from dcr_cli.store import Store, push
 from dcr_cli.store.transfer import split_roles
-
-
-@pytest.fixture
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any], dict[str, str] | None]:
-    if request.param == "local":
-        return str(tmp_path / "store"), {}, None
-    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
-    return request.getfixturevalue("s3_url"), endpoint.storage_options, endpoint.env()
-
-
-def _one_line(proc: Any) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dcr: error: "), proc.stderr
-    return str(lines[0])
 
 
 def _apply_direct(direct: str, into: Path, env: dict[str, str] | None) -> tuple[int, str]:
@@ -44,7 +30,7 @@ def _apply_direct(direct: str, into: Path, env: dict[str, str] | None) -> tuple[
     asking whether the file is a store (see the report; store/transfer.py is_store)."""
     if env is not None:
         proc = run_dcr("apply", direct, "--into", str(into), env=env)
-        return proc.returncode, _one_line(proc) if proc.returncode else ""
+        return proc.returncode, one_error_line(proc) if proc.returncode else ""
     try:
         apply(Delta.open(direct), into=into, workers=1)
     except DcrError as exc:

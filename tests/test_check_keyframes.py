@@ -11,18 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_fixtures import S3Endpoint, make_deltas, run_dcr
+from store_fixtures import make_deltas, run_dcr
 
 from dcr_cli.store import Store, acknowledge, check, commit, push
 from dcr_cli.store.keyframes import keyframes, publish_keyframe
-
-
-@pytest.fixture
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any], dict[str, str] | None]:
-    if request.param == "local":
-        return str(tmp_path / "store"), {}, None
-    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
-    return request.getfixturevalue("s3_url"), endpoint.storage_options, endpoint.env()
 
 
 def _store(tmp: Path, url: str, opts: dict[str, Any]) -> list[Path]:
