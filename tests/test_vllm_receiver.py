@@ -57,7 +57,6 @@ def _chain_matches_fresh_engine(paths, monkeypatch=None, fail_after_writes: int 
     """Apply d1..dN to an engine on step-0 and compare it with a fresh engine on step-N, bit for bit."""
     root = paths[0].parent
     llm = start_llm(paths[0])
-    base_tokens = greedy(llm)
     base_bits = resident_bits(llm)
 
     # A delta whose base is not what the engine holds is refused before any write.
@@ -89,7 +88,10 @@ def _chain_matches_fresh_engine(paths, monkeypatch=None, fail_after_writes: int 
     fresh = start_llm(paths[-1])
     assert differing(updated_bits, resident_bits(fresh)) == []
     assert updated_tokens == greedy(fresh)
-    assert updated_tokens != base_tokens  # the steps changed what the model generates
+    # The steps changed the engine's weights. Not necessarily its greedy tokens: on some CPUs three small
+    # steps of the tiny tied model leave every argmax where it was (seen on a fresh 2-core machine), so
+    # the tokens are compared with a fresh engine's above, not with the base's.
+    assert differing(updated_bits, base_bits)
     return llm
 
 
