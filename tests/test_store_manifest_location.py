@@ -23,19 +23,18 @@ from dcr_cli.store.transfer import split_roles
 
 
 def _apply_direct(direct: str, into: Path, env: dict[str, str] | None) -> tuple[int, str]:
-    """(exit code, error line) of applying the delta at ``direct`` into ``into``.
-
-    S3: the command line, ``dcr apply STORE/manifests/<digest>.json``. Local: the API with the Delta that
-    location opens (a vLLM worker's path): ``dcr apply`` on a local store manifest path stops earlier,
-    asking whether the file is a store (see the report; store/transfer.py is_store)."""
-    if env is not None:
-        proc = run_dcr("apply", direct, "--into", str(into), env=env)
-        return proc.returncode, one_error_line(proc) if proc.returncode else ""
-    try:
-        apply(Delta.open(direct), into=into, workers=1)
-    except DcrError as exc:
-        return exc.exit_code, f"dcr: error: {exc}"
-    return 0, ""
+    """(exit code, error line) of ``dcr apply STORE/manifests/<digest>.json --into into``. On a local store
+    the API is asked too, with the Delta that location opens (a vLLM worker's path): the same answer."""
+    proc = run_dcr("apply", direct, "--into", str(into), env=env)
+    line = one_error_line(proc) if proc.returncode else ""
+    if env is None:
+        try:
+            apply(Delta.open(direct), into=into, workers=1)
+            code = 0
+        except DcrError as exc:
+            code = exc.exit_code
+        assert code == proc.returncode, (code, line)
+    return proc.returncode, line
 
 
 @pytest.mark.parametrize("store_url", ["local", "s3"], indirect=True)

@@ -70,7 +70,7 @@ class Backend:
         self.fs.invalidate_cache(path)
         try:
             entry = self.fs.info(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # NotADirectory: a local path under a file (x.json/...)
             return None
         return None if entry.get("type") == "directory" else dict(entry)
 
