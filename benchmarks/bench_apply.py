@@ -225,14 +225,27 @@ def main() -> None:
             touched_pages[name] = np.flatnonzero(differs)
             del old, new
 
+        def page_runs(pages: np.ndarray) -> list[tuple[int, int]]:
+            """Consecutive touched pages as (first, end) runs, at most 2,048 pages (8 MiB) each."""
+            if pages.size == 0:
+                return []
+            cuts = np.flatnonzero(np.diff(pages) != 1) + 1
+            runs = []
+            for run in np.split(pages, cuts):
+                first, end = int(run[0]), int(run[-1]) + 1
+                runs += [(a, min(end, a + 2048)) for a in range(first, end, 2048)]
+            return runs
+
+        runs_of_pages = {name: page_runs(touched_pages[name]) for name in shard_names}
+
         def write_touched_pages() -> None:
             for name in shard_names:
                 with open(work / "v1" / name, "rb") as src:
                     fd = os.open(recv / name, os.O_WRONLY)
                     try:
-                        for page in touched_pages[name].tolist():
-                            src.seek(page * 4096)
-                            os.pwrite(fd, src.read(4096), page * 4096)
+                        for first, end in runs_of_pages[name]:
+                            src.seek(first * 4096)
+                            os.pwrite(fd, src.read((end - first) * 4096), first * 4096)
                         os.fsync(fd)
                     finally:
                         os.close(fd)
