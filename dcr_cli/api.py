@@ -145,34 +145,45 @@ def apply_vllm(
     deltas: DeltaLike | Sequence[DeltaLike],
     url: str,
     *,
+    version: str | None = None,
+    since: str | None = None,
     ack: str | None = None,
     receiver: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    verify: bool = False,
     log: Callable[[str], None] | None = None,
+    wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Apply a chain of deltas to the vLLM server at ``url``; returns {vllm, version, fingerprint, steps}."""
-    from .receive.vllm import apply_chain_to_server
+    """Apply a chain of deltas to the vLLM server at ``url``; returns {vllm, version, fingerprint, steps}.
+
+    ``deltas``, ``version``, ``since`` and ``wait`` are those of :func:`apply`. A store URL is resolved
+    here, with ``storage_options``; the engine's workers then read the chosen manifests by their store
+    locations (``STORE/manifests/<digest>.json``) with the engine's own fsspec configuration, and fetch
+    and check every block before the engine is paused (receiver-vllm.md §7). ``verify``: then read
+    back every tensor of the engine, not only the touched ones the apply proved (``dcr verify --vllm``).
+    """
+    from .receive.vllm import apply_chain_to_server, verify_server
 
     _ack_pair(ack, receiver)
-    given = [deltas] if isinstance(deltas, (str, os.PathLike, Delta)) else list(deltas)
-    if any(not isinstance(d, Delta) and _is_store(os.fspath(d), storage_options) for d in given):
-        raise DcrError("with --vllm, pass delta directories the engine can read (dcr pull a store's version first)")
+    if wait is not None and since is not None:
+        raise DcrError("--wait and --since do not go together: --wait waits for one --version")
+    chosen = _catch_up(deltas, since, version, storage_options, log) if since is not None else None
+    opened = chosen if chosen is not None else resolve(deltas, version, storage_options, wait, on_wait)
     # The engine's workers open the deltas themselves: local paths are made absolute.
-    located = [d if isinstance(d, Delta) or "://" in os.fspath(d) else os.path.abspath(d) for d in given]
+    located = [d if isinstance(d, Delta) or "://" in os.fspath(d) else os.path.abspath(d) for d in opened]
     order = receiver_plan.engine_chain(expand_deltas(located))
     steps = apply_chain_to_server(url, order, log=log)  # one claim for the whole chain
     target = order[-1].manifest.target
+    if verify:
+        answer = verify_server(url, order[-1])
+        if log:
+            log(f"ok: {answer['tensors']} tensors of the vLLM engine match ({answer['fingerprint'][:16]}…)")
     if ack and receiver:
-        _acknowledge(ack, receiver, target.version, target.fingerprint, storage_options)
+        _acknowledge(ack, receiver, target.version, target.fingerprint, storage_options, opened)
         if log:
             log(f"acknowledged {target.version} as {receiver!r} on {ack}")
     return {"vllm": url, "version": target.version, "fingerprint": target.fingerprint, "steps": steps}
-
-
-def _is_store(location: str, storage_options: dict[str, Any] | None) -> bool:
-    from .store import is_store
-
-    return bool(is_store(location, storage_options))
 
 
 def verify(

@@ -74,14 +74,16 @@ def start_llm(model_dir: Path, **overrides):
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, log: Path) -> Iterator[str]:
-    """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend; yields its URL."""
+def vllm_server(model_dir: Path, log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend; yields its URL.
+
+    ``env``: more environment for the server (e.g. how its workers reach an S3 endpoint)."""
     import pytest
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs vLLM's default process layout
     command = [
         sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",

@@ -72,9 +72,21 @@ def command(
         raise DcrError("give exactly one receiver: --into CHECKPOINT_DIR or --vllm URL")
     options = parse_storage_options(storage_option)
     if vllm_url:
-        if version is not None or wait is not None:
-            raise DcrError("with --vllm, pass delta directories the engine can read (dcr pull a store's version first)")
-        apply_vllm(deltas, vllm_url, ack_url, receiver, options, as_json)
+        if workers is not None:
+            raise DcrError("--workers applies to --into: a vLLM engine applies on its own workers' threads")
+        apply_vllm(
+            deltas,
+            vllm_url,
+            version=version,
+            since=since,
+            wait=wait,
+            on_wait=_waiting(wait),
+            verify=verify_after,
+            ack=ack_url,
+            receiver=receiver,
+            options=options,
+            as_json=as_json,
+        )
         return
     assert into is not None
     result = apply(

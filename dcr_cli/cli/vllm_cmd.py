@@ -5,6 +5,7 @@ Parsing and printing only; the work is ``dcr_cli.api.apply_vllm`` / ``verify_vll
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .common import emit_json, say
@@ -16,11 +17,34 @@ VLLM_OPTION_HELP = (
 
 
 def apply_vllm(
-    deltas: tuple[str, ...], url: str, ack: str | None, receiver: str | None, options: dict[str, Any], as_json: bool
+    deltas: tuple[str, ...],
+    url: str,
+    *,
+    version: str | None,
+    since: str | None,
+    wait: float | None,
+    on_wait: Callable[[str], None],
+    verify: bool,
+    ack: str | None,
+    receiver: str | None,
+    options: dict[str, Any],
+    as_json: bool,
 ) -> None:
     from ..api import apply_vllm as run
 
-    result = run(deltas, url, ack=ack, receiver=receiver, storage_options=options, log=None if as_json else say)
+    result = run(
+        deltas,
+        url,
+        version=version,
+        since=since,
+        wait=wait,
+        on_wait=on_wait,
+        verify=verify,
+        ack=ack,
+        receiver=receiver,
+        storage_options=options,
+        log=None if as_json else say,
+    )
     if as_json:
         emit_json({"vllm": url, "steps": result["steps"]})
 

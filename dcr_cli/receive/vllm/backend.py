@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ...delta.reader import Delta
 from ...errors import DcrError
 from ...format.manifest import TensorEntry
 from ...format.strict_json import load_json
@@ -103,6 +104,10 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self.last_error: str | None = None  # of the last update on this rank (None: it succeeded)
         self.last_error_kind: str | None = None  # the DcrError subclass name, for the client's exit code
         self.claim: Claim | None = None  # the client that is updating this engine (see the module doc)
+        # The delta the last ``prepare`` opened, by its location: the update of the same location takes it
+        # as it is, with the blocks that prepare fetched and checked (a remote delta's are kept by its
+        # fetchers), so the pause fetches nothing again and parses no manifest again.
+        self.prepared: tuple[str, Delta] | None = None
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
         pass  # nothing to connect: deltas are read from where update_info points
@@ -133,7 +138,13 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
     def receive_weights(self, update_info: DcrUpdateInfo) -> None:
         if not update_info.delta:
             raise DcrError('update_info needs {"delta": LOCATION} (a dcr delta directory or URL)')
-        self.last_report = self.receiver.apply(open_in_frozen_heap(update_info.delta)).to_json()
+        prepared, self.prepared = self.prepared, None
+        delta = prepared[1] if prepared is not None and prepared[0] == update_info.delta else None
+        try:
+            self.last_report = self.receiver.apply(delta or open_in_frozen_heap(update_info.delta)).to_json()
+        finally:
+            if delta is not None:
+                delta.cancel_fetches()  # its blocks are no longer needed; nothing else holds them
 
     def shutdown(self) -> None:
         pass
@@ -230,7 +241,10 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
         mode = receiver.check(open_in_frozen_heap(args["delta"]))
         return {"ok": True, "mode": mode, "state": receiver.state.to_json()}
     if op == "prepare":  # check, and the first pass staged for the update that follows
-        mode = receiver.prepare(open_in_frozen_heap(args["delta"]))
+        engine.prepared = None
+        delta = open_in_frozen_heap(args["delta"])
+        mode = receiver.prepare(delta)
+        engine.prepared = (args["delta"], delta)
         return {"ok": True, "mode": mode, "state": receiver.state.to_json(), "session_open": _session_open(wrapper)}
     if op == "verify":
         table = None
