@@ -15,8 +15,8 @@ from helpers_checkpoints import copy_checkpoint, read_raw
 from store_fixtures import (
     LoopbackProxy,
     S3Endpoint,
-    big_delta,
     count_store_questions,
+    delta_to_tear,
     half_writes_then_eio,
     make_deltas,
     one_error_line,
@@ -40,9 +40,7 @@ def test_a_torn_apply_before_the_repair_upload_is_not_ready_and_after_a_loss_is_
     store_url: tuple[str, dict[str, Any], dict[str, str] | None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, opts, env = store_url
-    delta = big_delta(tmp_path, sparse=True)
-    _data, repair_blocks = split_roles(Delta.open(delta).manifest)
-    torn = copy_checkpoint(tmp_path / "big-c0", tmp_path / "torn")
+    delta, repair_blocks, torn = delta_to_tear(tmp_path)
     refused: list[Any] = []
 
     def published(_: PushResult) -> None:
