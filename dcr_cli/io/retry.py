@@ -172,15 +172,20 @@ def retrying(
     sleep: Callable[[float], None] = time.sleep,
     on_retry: Callable[[int, BaseException], None] | None = None,
 ) -> T:
-    """Call ``fn``; on a transient error wait (exponential backoff, full jitter) and call it again."""
-    attempts = attempts or attempts_from_env()
-    for attempt in range(1, attempts + 1):
+    """Call ``fn``; on a transient error wait (exponential backoff, full jitter) and call it again.
+
+    ``attempts`` (default: DCR_STORE_ATTEMPTS) is looked up at the first transient error only: the
+    success path, which every section read of a delta takes, costs one call and a ``try``."""
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             return fn()
         except BaseException as exc:
             if not isinstance(exc, Exception) or not is_transient(exc, transient):
                 raise
-            if attempt == attempts:
+            attempts = attempts or attempts_from_env()
+            if attempt >= attempts:
                 raise StoreUnavailable(
                     f"{what}: still failing after {attempts} attempts ({describe(exc)}); "
                     "check the endpoint and network, then re-run: finished work is kept"
@@ -188,7 +193,6 @@ def retrying(
             if on_retry is not None:
                 on_retry(attempt, exc)
             sleep(random.uniform(0, min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (attempt - 1))))
-    raise AssertionError("unreachable")
 
 
 def calling(fn: Callable[[], T], what: str, transient: Classifier | None = None) -> T:
