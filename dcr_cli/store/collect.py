@@ -157,7 +157,7 @@ class LiveSet:
         try:
             raw = self.store.manifest_bytes(record)
         except IntegrityError:
-            return "its manifest is corrupt (its bytes do not have the digest its record names)"
+            return "its manifest is corrupt: its bytes do not have the digest its record names"
         self.manifests.add(manifest)
         for block in parse_manifest(raw).blocks:
             self.blocks[block.id] = block.size
