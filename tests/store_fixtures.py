@@ -293,6 +293,19 @@ def big_delta(tmp: Path, name: str = "big", *, tensors: int = 16, elements: int 
     return tmp / name
 
 
+def delta_to_tear(tmp: Path) -> tuple[Path, list[Any], Path]:
+    """(a sparse ``big_delta`` v0 -> v1, its repair blocks, a copy of its base checkpoint at ``tmp/torn``):
+    what a test of a torn receiver and its missing repair blocks starts from."""
+    from helpers_checkpoints import copy_checkpoint
+
+    from dcr_cli.delta.reader import Delta
+    from dcr_cli.store.transfer import split_roles
+
+    delta = big_delta(tmp, sparse=True)
+    _data, repair = split_roles(Delta.open(delta).manifest)
+    return delta, repair, copy_checkpoint(tmp / "big-c0", tmp / "torn")
+
+
 def delta_files(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 

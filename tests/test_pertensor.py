@@ -355,15 +355,20 @@ def assert_still_frozen(sentinel: object, frozen: int) -> None:
 def unfrozen_heap() -> Iterator[None]:
     """A heap nobody froze, as in a fresh dcr process: an in-process vLLM engine that ran earlier in this
     pytest process froze it (vLLM calls gc.freeze at start-up), and a frozen heap is a host's choice the
-    pause must leave alone, which is not what these tests are about. Frozen again afterwards."""
+    pause must leave alone, which is not what these tests are about. Frozen again afterwards. The pause
+    remembers a frozen heap it has seen (io/gc_pause.py): told to forget it both times."""
     import gc
+
+    from dcr_cli.io.gc_pause import forget_frozen_heap
 
     frozen = gc.get_freeze_count()
     if frozen:
         gc.unfreeze()
+    forget_frozen_heap()
     yield
     if frozen:
         gc.freeze()
+    forget_frozen_heap()
 
 
 def test_no_collections_pauses_the_collector_and_promotes_survivors_without_a_pass(unfrozen_heap: None) -> None:

@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
 from store_fixtures import (
-    big_delta,
+    LoopbackProxy,
+    S3Endpoint,
     count_store_questions,
+    delta_to_tear,
     half_writes_then_eio,
     make_deltas,
     one_error_line,
@@ -25,6 +27,7 @@ from store_fixtures import (
 from dcr_cli.api import apply
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.manifest import parse_manifest
+from dcr_cli.io.retry import StoreUnavailable
 from dcr_cli.store import Store, acknowledge, check, commit, gc, keyframes, push, repo
 from dcr_cli.store.keyframes import compact, join, open_plan, plan, publish_keyframe, shortcuts
 from dcr_cli.store.transfer import PushResult, split_roles
@@ -37,9 +40,7 @@ def test_a_torn_apply_before_the_repair_upload_is_not_ready_and_after_a_loss_is_
     store_url: tuple[str, dict[str, Any], dict[str, str] | None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, opts, env = store_url
-    delta = big_delta(tmp_path, sparse=True)
-    _data, repair_blocks = split_roles(Delta.open(delta).manifest)
-    torn = copy_checkpoint(tmp_path / "big-c0", tmp_path / "torn")
+    delta, repair_blocks, torn = delta_to_tear(tmp_path)
     refused: list[Any] = []
 
     def published(_: PushResult) -> None:
@@ -267,3 +268,126 @@ def test_a_torn_apply_through_a_shortcut_lacking_a_repair_block_is_damage(
     assert proc.returncode == 2, proc.stderr
     assert "lost it although shortcut 'v4' is complete" in one_error_line(proc)
     assert read_raw(recv) == before
+
+
+# -- 4. gc and a shortcut whose manifest is unusable ------------------------------------------------------------------
+
+
+def _damage(path: Path, how: str) -> None:
+    raw = path.read_bytes()
+    if how == "corrupt":
+        path.write_bytes(raw[:100] + bytes([raw[100] ^ 1]) + raw[101:])
+    elif how == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    else:
+        path.unlink()
+
+
+def _objects(store: Store) -> set[str]:
+    """Every object of a store (name and size), to tell that nothing was removed."""
+    return {f"{p}:{info['size']}" for p, info in store.fs.find(store.root, detail=True).items()}
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "missing"])
+def test_gc_drops_a_shortcut_whose_manifest_is_unusable_and_keeps_everything_else(tmp_path: Path, how: str) -> None:
+    """gc stopped on a shortcut whose manifest failed its digest (and kept a record naming a missing one for
+    ever, which also made every later dcr compact fail): derived data that blocked collecting the store."""
+    url, ckpts = _store_with_keyframe(tmp_path)
+    assert compact(url, every=2).published == ["v0..v2", "v0..v4"]
+    store = Store(url)
+    bad, sound = sorted(shortcuts(store), key=lambda s: s.record.version)
+    _damage(tmp_path / "store" / "manifests" / f"{bad.record.manifest}.json", how)
+    needs = {
+        b.id: b.size
+        for r in [*store.versions().values(), sound.record]
+        for b in parse_manifest(store.manifest_bytes(r)).blocks
+    }
+
+    proc = run_dcr("gc", url, "--keep", "4", "--grace", "0")
+    assert proc.returncode == 0, proc.stderr  # was: exit 2 on a corrupt or truncated manifest
+    why = "missing" if how == "missing" else "corrupt"
+    assert f"dropped shortcut v0..v2, as its manifest is {why}" in proc.stdout
+    assert f"dcr compact {url} --every K" in proc.stdout
+    assert not store.exists("shortcuts/v0/v2.json")  # was: kept, naming a manifest nobody can read
+    assert store.exists("shortcuts/v0/v4.json")
+    for block_id, size in needs.items():  # every version's and the sound shortcut's blocks
+        assert store.size(f"blocks/{block_id}") == size, block_id[:16]
+    assert not store.exists(f"manifests/{bad.record.manifest}.json")  # unreferenced now: swept
+    assert check(url).ok
+
+    # compact publishes it again, sound (it failed on the old record), and a receiver can take it.
+    result = compact(url, every=2)
+    assert (result.published, result.present) == (["v0..v2"], ["v0..v4"])
+    the_plan = plan(url, "v0", until="v2", allow_keyframe=False)
+    assert [(s.kind, s.base, s.target) for s in the_plan.steps] == [("shortcut", "v0", "v2")]
+    recv = copy_checkpoint(ckpts[0], tmp_path / "recv")
+    apply(open_plan(url, the_plan), into=recv, workers=1)
+    assert read_raw(recv) == read_raw(ckpts[2])
+
+
+def test_gc_dry_run_says_which_shortcut_it_would_drop_and_drops_nothing(tmp_path: Path) -> None:
+    url, _ckpts = _store_with_keyframe(tmp_path)
+    compact(url, every=2)
+    store = Store(url)
+    bad = next(s for s in shortcuts(store) if s.record.version == "v2")
+    _damage(tmp_path / "store" / "manifests" / f"{bad.record.manifest}.json", "corrupt")
+    before = _objects(store)
+    result = gc(url, keep=1, grace_s=0, dry_run=True)
+    assert list(result.dropped_shortcuts) == ["v0..v2"]
+    assert _objects(store) == before
+
+
+class _ResetReadsOf(LoopbackProxy):
+    """Resets every connection that asks for an object whose key ends with ``suffix`` (a transient fault)."""
+
+    def __init__(self, upstream: str, suffix: str) -> None:
+        self.request = f"GET /{suffix.lstrip('/')}".encode()
+        self.reset = 0
+        super().__init__(upstream)
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        if upstream and self.request in data:
+            self.reset += 1
+            raise ConnectionResetError  # the pump drops both sides: the client gets no answer
+
+
+def test_gc_stops_on_a_transient_error_before_dropping_anything(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shortcut is dropped only on an answer that asking again cannot change, and only once every record
+    has been read: here one shortcut's manifest is corrupt and reading the other's keeps failing."""
+    import s3fs
+
+    opts = s3_endpoint.storage_options
+    ckpts, _deltas = _committed_store(tmp_path, s3_url, opts)
+    publish_keyframe(s3_url, ckpts[0], version="v0", storage_options=opts)
+    compact(s3_url, every=2, storage_options=opts)
+    store = Store(s3_url, opts)
+    bad, flaky = sorted(shortcuts(store), key=lambda s: s.record.version)
+    raw = store.read(f"manifests/{bad.record.manifest}.json")
+    store.put(f"manifests/{bad.record.manifest}.json", raw[:-1])  # truncated: unusable
+    before = _objects(store)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retry loop off: dcr's decides
+    monkeypatch.setenv("DCR_STORE_ATTEMPTS", "2")
+    key = f"{s3_url.removeprefix('s3://')}/manifests/{flaky.record.manifest}.json"
+    proxy = _ResetReadsOf(s3_endpoint.url, key)
+    try:
+        proxied = {
+            **opts,
+            "endpoint_url": proxy.url,
+            "skip_instance_cache": True,
+            "config_kwargs": {"retries": {"max_attempts": 1}},
+        }
+        with pytest.raises(StoreUnavailable, match="still failing after 2 attempts"):
+            gc(s3_url, keep=1, grace_s=0, storage_options=proxied)
+    finally:
+        proxy.close()
+    assert proxy.reset >= 2
+    assert _objects(store) == before  # nothing removed: not the corrupt shortcut either
+    monkeypatch.undo()
+    # Asked again once the fault is gone, gc drops the corrupt shortcut and keeps the sound one's blocks.
+    result = gc(s3_url, keep=1, grace_s=0, storage_options=opts)
+    assert list(result.dropped_shortcuts) == ["v0..v2"]
+    for b in parse_manifest(store.manifest_bytes(flaky.record)).blocks:
+        assert store.size(f"blocks/{b.id}") == b.size

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_checkpoints import copy_checkpoint, read_raw
-from store_fixtures import big_delta, one_error_line, run_dcr, tear_from_store
+from helpers_checkpoints import read_raw
+from store_fixtures import big_delta, delta_to_tear, one_error_line, run_dcr, tear_from_store
 
 from dcr_cli.api import apply
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import DcrError
 from dcr_cli.store import Store, push
-from dcr_cli.store.transfer import split_roles
 
 
 def _apply_direct(direct: str, into: Path, env: dict[str, str] | None) -> tuple[int, str]:
@@ -42,12 +41,10 @@ def test_a_direct_store_manifest_says_not_ready_while_repair_blocks_are_still_to
     store_url: tuple[str, dict[str, Any], dict[str, str] | None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, opts, env = store_url
-    delta = big_delta(tmp_path, sparse=True)
-    _data, repair = split_roles(Delta.open(delta).manifest)
+    delta, repair, torn = delta_to_tear(tmp_path)
     result = push(delta, url, storage_options=opts)
     store = Store(url, opts)
     direct = f"{url}/manifests/{result.manifest}.json"
-    torn = copy_checkpoint(tmp_path / "big-c0", tmp_path / "torn")
     tear_from_store(torn, url, opts, monkeypatch)
     before = read_raw(torn)
 
@@ -83,11 +80,9 @@ def test_a_direct_store_manifest_no_record_names_is_refused_as_bad_input(
 ) -> None:
     """A manifest that no published version (or shortcut) names: the store cannot promise a repair
     upload for it, so a missing repair block is bad input (exit 2), and the line says what to do."""
-    delta = big_delta(tmp_path, sparse=True)
-    _data, repair = split_roles(Delta.open(delta).manifest)
+    delta, repair, torn = delta_to_tear(tmp_path)
     url = str(tmp_path / "store")
     result = push(delta, url)
-    torn = copy_checkpoint(tmp_path / "big-c0", tmp_path / "torn")
     tear_from_store(torn, url, {}, monkeypatch)
     before = read_raw(torn)
     for b in repair:

@@ -54,4 +54,10 @@ def command(url: str, keep: int, grace: str, dry_run: bool, storage_option: tupl
             if result.removed_keyframe_files
             else ""
         )
+        + "".join(
+            # A shortcut is derived data: gc drops an unusable one instead of stopping; compact rebuilds it.
+            f"; {'would drop' if dry_run else 'dropped'} shortcut {label}, as {why} "
+            f"(dcr compact {url} --every K publishes it again)"
+            for label, why in result.dropped_shortcuts.items()
+        )
     )

@@ -3,7 +3,11 @@
 A delta directory (format_spec/delta-v1.md §3) and a dcr store (format_spec/store-v1.md §1) keep
 blocks the same way, as ``<root>/blocks/<id>``. The plain source below reads them through any
 fsspec filesystem (local files with pread, refusing anything that is not a plain file); the store
-gives its own source, which adds its retries and error wrapping (``dcr_cli/store/repo.py``).
+gives its own source, which goes through the store's calls (``dcr_cli/store/repo.py``). Both retry
+transient errors with one policy, ``io/retry.calling`` and the client library's table of transient
+errors (``io/retry.transient_for``): a delta opened by its location (a delta directory URL, a store
+manifest) is read as patiently as one opened through its store. A missing object and a digest
+mismatch are not retried.
 
 Reads are bounded by what the manifest declares: a block is fetched in ranges up to its declared
 size plus one byte, so an object larger than declared is refused after reading at most that much,
@@ -34,6 +38,7 @@ from ..format.store_records import (
     parse_record,
 )
 from ..io.reading import RegularFiles, read_regular_file
+from ..io.retry import calling, transient_for
 
 T = TypeVar("T")
 CHUNK_BYTES = 16 << 20  # one ranged read while a whole block is verified
@@ -51,6 +56,7 @@ class BlockSource:
         self.label = label or root
         self.local = isinstance(fs, LocalFileSystem)
         self._files = RegularFiles()  # local block files stay open across the many small section reads
+        self._transient = transient_for(fs.protocol)  # the client library's transient errors, as the store's
 
     def path(self, block: BlockEntry) -> str:
         return f"{self.root}/{BLOCKS_DIR}/{block.id}"
@@ -63,8 +69,9 @@ class BlockSource:
         return IntegrityError(f"{what}; {self.missing_repair_advice}")
 
     def call(self, fn: Callable[[], T], what: str) -> T:
-        """Run one read; a store's source retries transient errors here."""
-        return fn()
+        """Run one read, retried on transient errors as a store's calls are; a client-library error that
+        is not an OSError becomes one DcrError line (FileNotFoundError and the like pass through)."""
+        return calling(fn, f"{self.label}: {what}", self._transient)
 
     def read(self, block: BlockEntry, start: int, end: int) -> bytes:
         """Bytes ``start:end`` of a block (fewer if the object is shorter); FileNotFoundError if absent."""

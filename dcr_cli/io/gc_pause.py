@@ -16,6 +16,13 @@ ends. There the survivors are moved to the oldest generation without a pass over
 heap keeps it frozen): the deferred passes would otherwise walk the command's whole heap at once
 (measured: 81 ms after that diff). Cyclic garbage among them is found by the next full collection.
 
+Whether something else froze the heap is asked with ``gc.get_freeze_count()``, which in CPython
+walks the permanent generation: free while it is empty, 105-117 ms a call in a vLLM process (vLLM
+freezes everything its engine allocated). So a frozen heap, once seen, is remembered for the process
+(``_host_froze``) and never asked about again; an empty one is asked about at every promotion, since a
+host may freeze later. A host that unfreezes on purpose after that calls ``forget_frozen_heap``
+(otherwise promotions only stay skipped: survivors are then collected as CPython would anyway).
+
 The setting is process-wide; it is restored when the outermost pause ends.
 """
 
@@ -31,6 +38,9 @@ OLDER = 1_000  # collections of the next younger generation before an older one 
 _lock = threading.Lock()
 _depth = 0
 _saved: tuple[int, ...] = ()
+# Serialises promotions: one thread's own freeze..unfreeze is never taken by another for a host's frozen heap.
+_promote_lock = threading.Lock()
+_host_froze = False  # something other than a promotion froze the heap, seen once: it stays so
 
 
 @contextlib.contextmanager
@@ -73,7 +83,23 @@ def no_collections() -> Iterator[None]:
 def promote_survivors() -> None:
     """Move every tracked object to the oldest generation without a pass over them: ``gc.freeze`` (to the
     permanent generation, O(1)) then ``gc.unfreeze``, as a full pass would leave them. Not where the host
-    froze its heap (a vLLM server): that stays frozen."""
-    if gc.get_freeze_count() == 0:
+    froze its heap (a vLLM server): that stays frozen, and is known without asking again (module doc)."""
+    global _host_froze
+    if _host_froze:
+        return
+    with _promote_lock:
+        if _host_froze:
+            return
+        if gc.get_freeze_count():  # O(1) while nothing is frozen; the walk of a frozen heap happens once
+            _host_froze = True
+            return
         gc.freeze()
         gc.unfreeze()
+
+
+def forget_frozen_heap() -> None:
+    """Ask again whether the heap is frozen at the next promotion: for a host (or a test) that unfroze
+    the heap it froze, so that promotions resume."""
+    global _host_froze
+    with _promote_lock:
+        _host_froze = False

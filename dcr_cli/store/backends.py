@@ -32,7 +32,7 @@ import fsspec
 from ..errors import DcrError
 from ..io.files import fsync_dir
 from ..io.reading import read_regular_file
-from ..io.retry import describe
+from ..io.retry import describe, transient_for
 
 S3_PART_BYTES = 8 << 20  # one part of a multipart upload (S3's minimum is 5 MiB)
 TMP_PREFIX = ".tmp-"  # local stores: objects being written; never a valid name of anything else
@@ -90,8 +90,10 @@ class Backend:
 
     @classmethod
     def transient(cls, exc: BaseException) -> bool:
-        """Whether ``exc``, raised by this backend's client library, is worth retrying."""
-        return False
+        """Whether ``exc``, raised by this backend's client library, is worth retrying (the one table of
+        those errors is io/retry.py's, which a delta opened by its location is read with too)."""
+        classifier = transient_for(cls.protocols)
+        return classifier is not None and classifier(exc)
 
     def mtime(self, entry: dict[str, Any]) -> float | None:
         for key in self.time_keys:
@@ -174,18 +176,6 @@ class MemoryBackend(Backend):
             self.fs.pipe_file(path, data)
 
 
-def _http_transient(status: object) -> bool:
-    return isinstance(status, int) and (status >= 500 or status == 429)
-
-
-def _aiohttp_transient(exc: BaseException) -> bool:
-    try:
-        import aiohttp
-    except ImportError:
-        return False
-    return isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
-
-
 class S3Backend(Backend):
     """s3fs: conditional PUT with ``If-None-Match: *`` (``pipe_file(mode="create")``); HTTP 412 means taken."""
 
@@ -193,7 +183,6 @@ class S3Backend(Backend):
     package = "s3fs"
     capabilities = Capabilities(atomic_create="if-none-match", streamed_writes=True)
     time_keys = ("LastModified", "mtime")
-    _THROTTLING = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout"})
 
     def create(self, path: str, data: bytes) -> None:
         from botocore.exceptions import ClientError
@@ -227,21 +216,6 @@ class S3Backend(Backend):
             f.closed = True  # discarded: its finaliser must not try to complete it
             raise
 
-    @classmethod
-    def transient(cls, exc: BaseException) -> bool:
-        from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.parsers import ResponseParserError
-
-        if isinstance(exc, (BotoConnectionError, HTTPClientError, IncompleteReadError, ResponseParserError)):
-            return True  # connection closed or reset, timeouts, a truncated response
-        if isinstance(exc, ClientError):
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            code = exc.response.get("Error", {}).get("Code")
-            # 409 ConditionalRequestConflict: a racing conditional write is in flight; asked again, S3 decides.
-            return _http_transient(status) or code in cls._THROTTLING or code == "ConditionalRequestConflict"
-        return _aiohttp_transient(exc)
-
 
 class GCSBackend(Backend):
     """gcsfs: upload with ``ifGenerationMatch=0`` (``pipe_file(mode="create")``); 412 arrives as FileExistsError."""
@@ -253,14 +227,6 @@ class GCSBackend(Backend):
 
     def create(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data, mode="create")
-
-    @classmethod
-    def transient(cls, exc: BaseException) -> bool:
-        from gcsfs.retry import HttpError
-
-        if isinstance(exc, HttpError):
-            return _http_transient(exc.code)
-        return _aiohttp_transient(exc)
 
 
 class AzureBackend(Backend):
@@ -278,16 +244,6 @@ class AzureBackend(Backend):
             self.fs.pipe_file(path, data, overwrite=False)
         except ResourceExistsError as exc:
             raise FileExistsError(path) from exc
-
-    @classmethod
-    def transient(cls, exc: BaseException) -> bool:
-        from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
-
-        if isinstance(exc, (ServiceRequestError, ServiceResponseError)):
-            return True
-        if isinstance(exc, HttpResponseError):
-            return _http_transient(exc.status_code)
-        return _aiohttp_transient(exc)
 
 
 _REGISTRY: dict[str, type[Backend]] = {}

@@ -10,16 +10,21 @@ its manifest lists. gc drops, once at its start, the versions that are neither a
 * an object no published version references may belong to a push in progress: it is removed only
   once older than the grace period, asked afresh just before removing it (a push refreshes old
   blocks it reuses, and checks that all of its blocks are present before it publishes).
+
+A shortcut is derived data (``dcr compact`` rebuilds it): one whose manifest is missing, or whose
+manifest's bytes are not the ones its record names, is unusable, and gc drops its record instead of
+stopping (its blocks then go like any unreferenced object). Anything that might succeed when asked
+again (a transient error, a client error) stops gc as before; a version's damaged manifest always does.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import DcrError
+from ..errors import DcrError, IntegrityError
 from ..format.manifest import parse_manifest
 from .repo import BLOCKS, MANIFESTS, VERSIONS, Listing, Store, VersionRecord, is_label
 
@@ -40,6 +45,8 @@ class GcResult:
     young_unreferenced: int  # unreferenced but within the grace period (maybe a push in progress)
     dry_run: bool
     removed_keyframe_files: int = 0  # objects under keyframes/<v>/ no record names (a publish stopped half-way)
+    # Shortcut records dropped because their manifest is missing or corrupt (store-v1 §6.4): "base..target" -> why.
+    dropped_shortcuts: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,20 +68,33 @@ def live_versions(store: Store, keep: int) -> tuple[list[VersionRecord], list[Ve
 
 class LiveSet:
     """Blocks and manifests that versions gc did not drop need, and those of shortcuts gc did not drop
-    (store-v1 §6.4), read again on request: records published since gc started join it."""
+    (store-v1 §6.4), read again on request: records published since gc started join it.
 
-    def __init__(self, store: Store, dropped: Iterable[VersionRecord], dropped_shortcuts: Iterable[str] = ()) -> None:
+    A shortcut whose manifest is unusable (missing, or not the bytes its record names) is not counted;
+    once a whole refresh has been read, ``drop_record`` (None: a dry run) is given each such record's
+    object name, and ``unusable`` says why, by "base..target"."""
+
+    def __init__(
+        self,
+        store: Store,
+        dropped: Iterable[VersionRecord],
+        dropped_shortcuts: Iterable[str] = (),
+        drop_record: Callable[[str], None] | None = None,
+    ) -> None:
         self.store = store
         self.dropped = {r.version for r in dropped}
         self.dropped_shortcuts = set(dropped_shortcuts)  # object names of shortcut records gc removes
+        self.drop_record = drop_record
         self.read: set[str] = set()  # versions whose manifests are counted
         self.read_shortcuts: set[str] = set()  # shortcut records whose manifests are counted
         self.blocks: dict[str, int] = {}
         self.manifests: set[str] = set()  # file names under manifests/
+        self.unusable: dict[str, str] = {}  # "base..target" -> why its shortcut record is dropped
+        self.unusable_manifests: set[str] = set()  # their manifests' file names
 
     def refresh(self) -> None:
-        """Count every published version not dropped and every shortcut not dropped (an unreadable
-        manifest of one aborts gc)."""
+        """Count every published version not dropped and every usable shortcut not dropped (a version's
+        unreadable manifest aborts gc, as does any error that asking again might not meet)."""
         names = [e.name[: -len(".json")] for e in self.store.list(VERSIONS) if e.name.endswith(".json")]
         for name in names:
             if name in self.dropped or name in self.read:
@@ -91,6 +111,7 @@ class LiveSet:
         manifest: the shortcut records are read again with the versions' (store-v1 §6.4)."""
         from .keyframes import SHORTCUT_KIND, SHORTCUTS
 
+        unusable: list[str] = []
         for base in self.store.list_dirs(SHORTCUTS):
             if not is_label(base):
                 continue
@@ -101,8 +122,19 @@ class LiveSet:
                 obj = self.store.read_record(rel, SHORTCUT_KIND)
                 if obj is None:
                     continue
-                self._count(VersionRecord.from_json(obj, f"{self.store.url}/{rel}"))
-                self.read_shortcuts.add(rel)
+                record = VersionRecord.from_json(obj, f"{self.store.url}/{rel}")
+                why = self._count_shortcut(record)
+                if why is None:
+                    self.read_shortcuts.add(rel)
+                    continue
+                # Not remembered as handled: a dcr compact may publish this shortcut again, sound, while gc runs.
+                unusable.append(rel)
+                self.unusable[f"{record.base.version}..{record.version}"] = why
+                self.unusable_manifests.add(f"{record.manifest}.json")
+        # Only once every record has been read: an error above stops gc before it removes anything.
+        if self.drop_record is not None:
+            for rel in unusable:
+                self.drop_record(rel)
 
     def _count(self, record: VersionRecord) -> None:
         manifest = f"{record.manifest}.json"
@@ -111,6 +143,25 @@ class LiveSet:
             return  # removed by an earlier gc: unavailable, it needs nothing
         for block in parse_manifest(self.store.manifest_bytes(record)).blocks:
             self.blocks[block.id] = block.size
+
+    def _count_shortcut(self, record: VersionRecord) -> str | None:
+        """Count a shortcut's manifest and blocks; or why it is unusable (None: counted).
+
+        Only an answer that asking again cannot change makes it unusable: the manifest is absent (a
+        shortcut's manifest is written before its record, so it is lost, not still to come), or its
+        bytes do not have the digest the record names (corrupt or truncated: ``manifest_bytes`` raises
+        IntegrityError for exactly that). Any other error propagates and stops gc."""
+        manifest = f"{record.manifest}.json"
+        if not self.store.exists(f"{MANIFESTS}/{manifest}"):
+            return "its manifest is missing"
+        try:
+            raw = self.store.manifest_bytes(record)
+        except IntegrityError:
+            return "its manifest is corrupt: its bytes do not have the digest its record names"
+        self.manifests.add(manifest)
+        for block in parse_manifest(raw).blocks:
+            self.blocks[block.id] = block.size
+        return None
 
     def needs(self, block_id: str) -> bool:
         return block_id in self.blocks
@@ -133,8 +184,11 @@ def gc(
     from .keyframes import KEYFRAME_KIND, KEYFRAMES, SHORTCUTS, KeyframeRecord, retained
 
     shortcut_blocks, shortcut_manifests, drop_catchup = retained(store)
-    needed = LiveSet(store, dropped, (rel for rel in drop_catchup if rel.startswith(f"{SHORTCUTS}/")))
+    drop_shortcuts = (rel for rel in drop_catchup if rel.startswith(f"{SHORTCUTS}/"))
+    needed = LiveSet(store, dropped, drop_shortcuts, drop_record=None if dry_run else store.delete)
     needed.refresh()
+    # A dropped shortcut's manifest (retained() names the newest keyframe's, unread) is then unreferenced.
+    shortcut_manifests -= needed.unusable_manifests
     needed.blocks.update(shortcut_blocks)
     needed.manifests |= shortcut_manifests
     live_manifests = {f"{r.manifest}.json" for r in live} | shortcut_manifests
@@ -218,4 +272,5 @@ def gc(
         young_unreferenced=young,
         dry_run=dry_run,
         removed_keyframe_files=removed_frames,
+        dropped_shortcuts=dict(needed.unusable),
     )

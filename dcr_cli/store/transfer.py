@@ -232,7 +232,8 @@ def push(
     record is written, asks about them as about every other.
     """
     started = time.monotonic()
-    source = Delta.open(delta)
+    # A delta given as a URL (s3://bucket/delta) is read with the options given for the store: one endpoint.
+    source = Delta.open(delta, storage_options=storage_options)
     manifest = source.manifest
     version = check_label(manifest.target.version, "the delta's target version")
     store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
@@ -852,7 +853,8 @@ def open_delta(
         return open_version(location, version, storage_options=storage_options, wait=wait, on_wait=on_wait)
     if version is not None:
         raise DcrError(f"{location} is a delta, not a store: --version does not apply")
-    return Delta.open(location)
+    # The same options as the store check above: a delta directory at a URL lives behind the same endpoint.
+    return Delta.open(location, storage_options=storage_options)
 
 
 def is_store(location: str, storage_options: dict[str, Any] | None = None) -> bool:
