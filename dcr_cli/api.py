@@ -47,7 +47,9 @@ def resolve(
         raise DcrError("--wait needs one store URL and --version: the version to wait for")
     out: list[DeltaLike] = []
     for d in given:
-        if isinstance(d, (str, os.PathLike)) and (wait is not None or is_store(os.fspath(d), storage_options)):
+        if isinstance(d, (str, os.PathLike)) and (
+            wait is not None or "://" in os.fspath(d) or is_store(os.fspath(d), storage_options)
+        ):
             out.append(open_delta(os.fspath(d), version, storage_options=storage_options, wait=wait, on_wait=on_wait))
         else:
             out.append(d)

@@ -46,11 +46,6 @@ def test_open_delta_reads_a_delta_directory_url_through_the_given_endpoint(
     opened.verify_blocks()  # the blocks come through the given endpoint too
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="api.resolve keeps a delta URL that is not a store as a string, which the applier then opens "
-    "without the storage options (dcr_cli/api.py, owned by another agent: it should open_delta every URL)",
-)
 def test_apply_and_verify_read_a_delta_directory_url_through_the_given_endpoint(
     s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
 ) -> None:
