@@ -114,9 +114,22 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
     assert not _get(server + "/is_paused")["is_paused"]
     assert _get(server + "/weight_info")["weight_version"] == "step-2"
 
-    # 4. A lagging engine catches up from its committed version by the store's cheapest path.
+    # 4. A data block damaged in the store: the engine's prepare finds it (its first pass reads the blocks as
+    #    they arrive, and every block is checked whole before the pause), so the engine is never paused.
     dcr("commit", s3_url, "step-2", "--receiver", "east", *store, env=env, check=True)
     dcr("push", str(root / "d3"), s3_url, *store, env=env, check=True)
+    fs = s3_endpoint.filesystem()
+    data = next(b for b in Delta.open(root / "d3").manifest.blocks if b.role == "data")
+    key = f"{s3_url.removeprefix('s3://')}/blocks/{data.id}"
+    good = fs.cat(key)
+    fs.pipe(key, good[:-1] + bytes([good[-1] ^ 1]))
+    damaged = dcr("apply", s3_url, "--version", "step-3", "--vllm", server, *store, env=env)
+    assert damaged.returncode == 2 and "corrupt" in one_error_line(damaged), damaged.stderr
+    assert not _get(server + "/is_paused")["is_paused"]
+    assert _get(server + "/weight_info")["weight_version"] == "step-2"
+    fs.pipe(key, good)
+
+    # 5. A lagging engine catches up from its committed version by the store's cheapest path.
     caught_up = dcr("apply", s3_url, "--since", "step-2", "--vllm", server, *store, env=env, check=True)
     assert "vLLM engine at version step-3" in caught_up.stdout
     dcr("verify", "--vllm", server, "--against", str(root / "d3"), check=True)

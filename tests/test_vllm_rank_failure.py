@@ -133,7 +133,7 @@ def test_a_rank_whose_untouched_check_refuses_fails_every_rank(step: str, monkey
     monkeypatch.setattr(EngineReceiver, "_first_pass", lambda self, *args, **kwargs: None)
     monkeypatch.setattr(receiver_plan, "check_untouched", check_untouched)
     manifest = SimpleNamespace(base=SimpleNamespace(fingerprint="fp-base"), items=[object()])
-    delta = SimpleNamespace(manifest=manifest, url="d", id="delta-id")
+    delta = SimpleNamespace(manifest=manifest, url="d", id="delta-id", source=SimpleNamespace(remote=False))
 
     out, _ = run_ranks([lambda r: getattr(r, step)(delta)] * 2)
     assert [type(o) for o in out] == [IncompatibleError, IncompatibleError], out

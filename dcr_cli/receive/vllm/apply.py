@@ -239,6 +239,9 @@ class EngineReceiver:
         self._prepared_bytes = 0
         self._staged: Staged | None = None
         self._skip_blocks = False
+        # In prepare, a remote delta's blocks download while the first pass reads them (each section is
+        # checked by its own digest; the whole blocks before prepare returns, so before the pause).
+        self._overlap_fetch = False
         self._fingerprint_seconds = 0.0
         self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
 
@@ -508,7 +511,11 @@ class EngineReceiver:
                         f"{name} (resident as {hit[0]}): {derived[hit[0]]}; dcr cannot refit MLA's kv_b_proj in "
                         "place, refit this engine densely (a full reload); nothing was written"
                     )
-        if not self._skip_blocks:
+        if self._skip_blocks:
+            return
+        if self._overlap_fetch and delta.source.remote:
+            delta.prefetch_blocks()  # checked whole at the end of prepare (_untouched_and_first_pass)
+        else:
             delta.verify_blocks()
 
     def agree(self, phase: Callable[[], T]) -> T:
@@ -558,7 +565,11 @@ class EngineReceiver:
         self._staged = None
         self._fingerprint_seconds = 0.0
         started = time.perf_counter()
-        mode = self.check(delta)
+        self._overlap_fetch = True
+        try:
+            mode = self.check(delta)
+        finally:
+            self._overlap_fetch = False
         if mode == "noop":
             return mode
         phases = {"prepare_check": time.perf_counter() - started, "fingerprint": self._fingerprint_seconds}
@@ -567,7 +578,7 @@ class EngineReceiver:
         base_table = self.held_table() if self.state.fingerprint == delta.manifest.base.fingerprint else None
         try:
             # One agreed phase: a rank whose check refuses fails every rank (none waits in an exchange).
-            self.agree(lambda: self._untouched_and_first_pass(delta, base_table, resuming))
+            self.agree(lambda: self._untouched_and_first_pass(delta, base_table, resuming, blocks=True))
             prepared = dict(self._prepared)
         finally:
             self._prepared.clear()
@@ -582,11 +593,14 @@ class EngineReceiver:
         resuming: bool,
         skip: dict[int, Prepared] | None = None,
         first_pass: bool = True,
+        blocks: bool = False,
     ) -> None:
         if base_table is not None:
             receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
         if first_pass:
             self._first_pass(delta, resuming, skip=skip)
+        if blocks and delta.source.remote:  # prepare: the download overlapped the first pass; now every block whole
+            delta.verify_blocks()
 
     def _take_staged(self, delta: Delta) -> Staged | None:
         staged, self._staged = self._staged, None

@@ -243,8 +243,15 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
     if op == "prepare":  # check, and the first pass staged for the update that follows
         engine.prepared = None
         delta = open_in_frozen_heap(args["delta"])
-        mode = receiver.prepare(delta)
-        engine.prepared = (args["delta"], delta)
+        try:
+            mode = receiver.prepare(delta)
+        except BaseException:
+            delta.cancel_fetches()  # a remote delta's blocks download in the background: stop them
+            raise
+        if mode == "noop":
+            delta.cancel_fetches()
+        else:
+            engine.prepared = (args["delta"], delta)
         return {"ok": True, "mode": mode, "state": receiver.state.to_json(), "session_open": _session_open(wrapper)}
     if op == "verify":
         table = None
