@@ -685,10 +685,14 @@ def run_refit(
         for node, recv in zip(link.nodes[1:], receivers, strict=True):
             a = record(early[node.name].wait())
             answer = json.loads(a.stdout)
-            pause: dict[str, float] = {}
+            pause: dict[str, Any] = {}
             if recv.engine:
                 (step,) = answer["steps"]
-                pause = {"pause_s": step["pause_seconds"], "prepare_s": step["prepare_seconds"]}
+                pause = {
+                    "pause_s": step["pause_seconds"],
+                    "prepare_s": step["prepare_seconds"],
+                    "phases": step.get("phases"),
+                }
             elif not answer["verified"]["ok"]:
                 raise RuntimeError(f"{recv.root}: verify failed after apply")
             ended = a.started + a.seconds
@@ -765,6 +769,7 @@ def run_refit(
             "receiver_mode": mode,
             "pause_s": max((r["pause_s"] for r in results.values() if "pause_s" in r), default=None),
             "prepare_s": max((r["prepare_s"] for r in results.values() if "prepare_s" in r), default=None),
+            "engine_phases": slowest.get("phases"),
             "repair_tail_s": round(tail, 2),  # publication -> producer exit: the repair upload
             "repair_tail_after_commit_s": round(after_commit, 2),  # what of it outlasts the refit
             "repair_uploaded_after_publication": repair_after,
@@ -888,6 +893,9 @@ def report(r: Refit) -> None:
             f"    engine pause window (writes and proof; slowest receiver): {r.extra['pause_s']:.2f} s; fetched and "
             f"checked before the pause: {r.extra['prepare_s']:.2f} s"
         )
+        if r.extra.get("engine_phases"):
+            shown = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.extra["engine_phases"].items())
+            print(f"      in-engine phases (ms; first_pass includes prepare's): {shown}")
     if r.extra.get("repair_uploaded_after_publication"):
         after = r.extra["repair_tail_after_commit_s"]
         ends = (

@@ -108,7 +108,7 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
     said = late.stderr.strip().splitlines()  # the --wait line, then one error line
     assert len(said) == 2 and said[0].startswith("waiting up to") and "did not appear in time" in said[1], said
     behind = dcr("apply", s3_url, "--version", "step-1", "--vllm", server, *store, env=env)
-    assert behind.returncode == 2 and "the engine is at version step-2" in one_error_line(behind)
+    assert behind.returncode == 2 and "dcr apply STORE --since step-2 --vllm URL" in one_error_line(behind)
     workers = dcr("apply", s3_url, "--vllm", server, "--workers", "2", *store, env=env)
     assert workers.returncode == 2 and "--workers" in one_error_line(workers)
     assert not _get(server + "/is_paused")["is_paused"]

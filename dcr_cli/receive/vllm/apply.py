@@ -488,8 +488,9 @@ class EngineReceiver:
         if self.state.fingerprint != m.base.fingerprint:
             raise IncompatibleError(
                 f"the engine is at version {self.state.version} ({(self.state.fingerprint or '')[:16]}…), "
-                f"the delta needs base {m.base.version} ({m.base.fingerprint[:16]}…); apply the deltas in "
-                "between first"
+                f"the delta needs base {m.base.version} ({m.base.fingerprint[:16]}…); apply the deltas that "
+                f"start from the engine's version (from a store: dcr apply STORE --since {self.state.version} "
+                "--vllm URL)"
             )
         return "apply"
 
