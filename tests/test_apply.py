@@ -264,7 +264,8 @@ def test_tampered_block_is_refused(two_versions: tuple[Path, Path, Path]) -> Non
     data = bytearray(block.read_bytes())
     data[len(data) // 2] ^= 0x40
     block.write_bytes(bytes(data))
-    expect_refusal(recv, "apply", delta, "--into", recv, words="corrupt")
+    line = expect_refusal(recv, "apply", delta, "--into", recv, words="corrupt")
+    assert "fetch the delta again" in line  # and what to do about it
 
 
 def test_truncated_block_is_refused(two_versions: tuple[Path, Path, Path]) -> None:

@@ -226,7 +226,8 @@ class BlockFetcher:
             if block.next_range == len(block.ranges):
                 if block.digest.hexdigest() != entry.id:
                     block.error = IntegrityError(
-                        f"block {entry.id[:16]}… in {self.source.label} is corrupt (digest mismatch)"
+                        f"block {entry.id[:16]}… in {self.source.label} is corrupt (digest mismatch); "
+                        f"{self.source.damaged_advice}"
                     )
                 else:
                     block.done = True

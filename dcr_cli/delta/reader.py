@@ -153,7 +153,9 @@ class Delta:
         if len(data) != section.length:
             raise IntegrityError(f"{what}: block {block.id[:16]}… is truncated")
         if self.manifest.section_digest(data) != section.digest:
-            raise IntegrityError(f"{what}: block {block.id[:16]}… is corrupt (digest mismatch)")
+            raise IntegrityError(
+                f"{what}: block {block.id[:16]}… is corrupt (digest mismatch); {self.source.damaged_advice}"
+            )
         return data
 
     def preread(self, sections: Sequence[Section], what: Callable[[int], str]) -> None:
@@ -205,7 +207,9 @@ class Delta:
                 piece = data[lo : lo + section.length]
                 if digest_of(piece) != section.digest:
                     block = self.manifest.blocks[section.block]
-                    raise IntegrityError(f"{what(k)}: block {block.id[:16]}… is corrupt (digest mismatch)")
+                    raise IntegrityError(
+                        f"{what(k)}: block {block.id[:16]}… is corrupt (digest mismatch); {self.source.damaged_advice}"
+                    )
                 out.append(piece)
             i = j
         return out

@@ -49,6 +49,8 @@ class BlockSource:
 
     # What a receiver is told to do when a torn item needs a repair block this source does not have.
     missing_repair_advice = "fetch the delta with its repair blocks and re-run"
+    # What a reader is told when a block's bytes are not the ones its name (their digest) says.
+    damaged_advice = "fetch the delta again (dcr pull checks every block it downloads) or re-run dcr diff, then re-run"
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, label: str | None = None) -> None:
         self.fs = fs
@@ -109,7 +111,9 @@ class BlockSource:
             digest.update(data)
             yield data
         if digest.hexdigest() != block.id:
-            raise IntegrityError(f"block {block.id[:16]}… in {self.label} is corrupt (digest mismatch)")
+            raise IntegrityError(
+                f"block {block.id[:16]}… in {self.label} is corrupt (digest mismatch); {self.damaged_advice}"
+            )
 
 
 class StoreManifestSource(BlockSource):

@@ -541,6 +541,10 @@ class StoreBlockSource(BlockSource):
         "the store lacks it: the producer's dcr push is still uploading repair blocks or was stopped after "
         "publishing; wait for it to finish, or re-run dcr push DELTA URL, then re-run"
     )
+    damaged_advice = (
+        "the store's copy is damaged (dcr check URL --read-data lists every damaged object): restore it with "
+        "dcr push DELTA URL --verify-remote (dcr compact for a shortcut's), then re-run"
+    )
 
     def __init__(self, store: Store, record: VersionRecord | None = None, *, repairs_promised: bool = False) -> None:
         super().__init__(store.fs, store.root, label=store.url)
