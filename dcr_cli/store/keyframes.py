@@ -475,6 +475,7 @@ class Plan:
     steps: list[Step]
     chain_bytes: int | None  # the plain chain's bytes (None: no chain from the receiver's version)
     keyframe_bytes: int | None  # the cheapest keyframe route's bytes, if any
+    chain_gone: str = ""  # what describe() says when a receiver has a version but no plain chain reaches the target
 
     @property
     def bytes(self) -> int:
@@ -484,7 +485,7 @@ class Plan:
         parts = [
             f"{s.kind} {s.target}" if s.kind == "keyframe" else f"{s.kind} {s.base}->{s.target}" for s in self.steps
         ]
-        alt = [f"chain {self.chain_bytes} B" if self.chain_bytes is not None else "", ""]
+        alt = [f"chain {self.chain_bytes} B" if self.chain_bytes is not None else self.chain_gone, ""]
         if self.keyframe_bytes is not None:
             alt[1] = f"keyframe route {self.keyframe_bytes} B"
         others = ", ".join(a for a in alt if a)
@@ -515,17 +516,25 @@ def plan(
         check_label(since, "--since version")
         if since not in pos or pos[since] > end:
             raise DcrError(f"{url}: {since!r} is not a committed version before {target.version!r} (see dcr log)")
+    by_fp = {r.version: r.fingerprint for r in order}  # the committed states: genesis, then the chain
     edges: list[Step] = []
     for i in range(1, end + 1):
         record = target if names[i] == target.version else store.require_version(names[i])
         if store.exists(f"{MANIFESTS}/{record.manifest}.json"):  # gc removes old versions' manifests
             edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
     for s in shortcuts(store):
-        b, t = s.record.base.version, s.record.version
-        if b in pos and t in pos and pos[b] < pos[t] <= end and store.exists(f"{MANIFESTS}/{s.record.manifest}.json"):
-            edges.append(Step("shortcut", b, t, s.record.payload_bytes, record=s.record))
+        b, t = s.record.base, s.record.target
+        # A shortcut joins two committed states (§6.2): by their fingerprints, not only their labels, as a
+        # keyframe is matched. One that names a committed label with another state (a hostile or damaged
+        # record) is no route: taking it would leave a receiver "at" the label holding other bits.
+        committed_ends = by_fp.get(b.version) == b.fingerprint and by_fp.get(t.version) == t.fingerprint
+        if (
+            committed_ends
+            and pos[b.version] < pos[t.version] <= end
+            and store.exists(f"{MANIFESTS}/{s.record.manifest}.json")
+        ):
+            edges.append(Step("shortcut", b.version, t.version, s.record.payload_bytes, record=s.record))
     frames = keyframes(store) if allow_keyframe or since is None else {}
-    by_fp = {r.version: r.fingerprint for r in order}
 
     def cheapest(starts: dict[int, tuple[int, list[Step]]]) -> tuple[int, list[Step]] | None:
         best = dict(starts)
@@ -549,8 +558,11 @@ def plan(
     frame_route = cheapest(starts) if starts else None
     chain_only = None
     if since is not None:
-        plain = [e for e in edges if e.kind == "chain" and pos[e.base or ""] >= pos[since]]
-        chain_only = sum(e.bytes for e in plain)
+        # The plain chain's cost, only if it still reaches the target: a sum over the deltas gc left
+        # would quote a route that does not exist (and look cheaper than the one chosen).
+        plain = {pos[e.base or ""]: e for e in edges if e.kind == "chain" and pos[e.base or ""] >= pos[since]}
+        if all(i in plain for i in range(pos[since], end)):
+            chain_only = sum(e.bytes for e in plain.values())
     options = [r for r in (chain_route, frame_route if (allow_keyframe or since is None) else None) if r is not None]
     if not options:
         if since is not None:
@@ -560,7 +572,8 @@ def plan(
             )
         raise DcrError(f"{url}: no path reaches {target.version!r} without state; publish a keyframe first")
     _cost, steps = min(options, key=lambda r: r[0])
-    return Plan(steps, chain_only, frame_route[0] if frame_route else None)
+    gone = "no plain chain (deltas removed by gc)" if since is not None and chain_only is None else ""
+    return Plan(steps, chain_only, frame_route[0] if frame_route else None, gone)
 
 
 def pull_plan(

@@ -1,0 +1,108 @@
+"""Shortcuts on a store are routes between committed states (store-v1 §6.2, §6.3), matched by fingerprint:
+a record that names committed labels but other states is no route for a lagging receiver (before, the path
+choice matched labels only: a receiver took such a shortcut and ended "at" the target label holding other
+bits, exit 0). The ``path:`` line quotes the plain chain's cost only while that chain reaches the target."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from helpers_checkpoints import copy_checkpoint, read_raw
+from safetensors.numpy import load_file
+from store_fixtures import commit_each, make_deltas, one_error_line, run_dcr, write_checkpoint
+
+from dcr_cli.delta.reader import Delta
+from dcr_cli.format.digest import digest_bytes
+from dcr_cli.produce import diff
+from dcr_cli.store import gc
+from dcr_cli.store.keyframes import compact, plan, publish_keyframe
+from dcr_cli.store.repo import dumps
+
+
+def _committed_store(tmp: Path, steps: int = 4) -> tuple[str, list[Path]]:
+    """A local store with v1..v<steps> committed, a keyframe at v1 and the shortcut v1 -> v3."""
+    ckpts, deltas = make_deltas(tmp, steps)
+    url = str(tmp / "store")
+    commit_each(url, deltas)
+    publish_keyframe(url, ckpts[1], version="v1")
+    assert compact(url, every=2).published == ["v1..v3"]
+    return url, ckpts
+
+
+def _plant_shortcut(tmp: Path, url: str, base: Path, label_base: str, label_target: str) -> dict[str, str]:
+    """Store a delta from checkpoint ``base`` to bits no version holds (labelled base -> target) as a shortcut
+    record cheaper than any route, as a damaged or hostile store could hold it; returns the record's target."""
+    tensors = {name: t.copy() for name, t in load_file(str(base / "model.safetensors")).items()}
+    tensors["norm.weight"] = (tensors["norm.weight"] * 2).astype(np.float16)
+    out = tmp / f"planted-{label_base}-{label_target}"
+    diff(base, write_checkpoint(tmp / f"{out.name}-ckpt", tensors), out, base_version=label_base,
+         target_version=label_target, workers=1)  # fmt: skip
+    store = Path(url)
+    raw = (out / "manifest.json").read_bytes()
+    (store / "manifests" / f"{digest_bytes(raw)}.json").write_bytes(raw)
+    for block in (out / "blocks").iterdir():
+        shutil.copyfile(block, store / "blocks" / block.name)
+    manifest = Delta.open(out).manifest
+    target = {"version": label_target, "fingerprint": manifest.target.fingerprint}
+    base_ref = {"version": label_base, "fingerprint": manifest.base.fingerprint}
+    record = json.loads((store / "shortcuts" / "v1" / "v3.json").read_text())
+    record.update(version=label_target, base=base_ref, target=target, manifest=digest_bytes(raw),
+                  manifest_bytes=len(raw), payload_bytes=1, chain=[])  # fmt: skip
+    (store / "shortcuts" / label_base).mkdir(exist_ok=True)
+    (store / "shortcuts" / label_base / f"{label_target}.json").write_bytes(dumps(record))
+    return target
+
+
+def test_a_shortcut_to_another_state_under_a_committed_label_is_no_route(tmp_path: Path) -> None:
+    url, ckpts = _committed_store(tmp_path)
+    target = _plant_shortcut(tmp_path, url, ckpts[1], "v1", "v4")
+    assert target["fingerprint"] != Delta.open(tmp_path / "d4").manifest.target.fingerprint
+
+    chosen = plan(url, "v1", allow_keyframe=False)
+    assert [(s.kind, s.base, s.target) for s in chosen.steps] == [("shortcut", "v1", "v3"), ("chain", "v3", "v4")]
+
+    # The command a lagging receiver runs: it reaches committed v4's bits, not the planted state.
+    recv = copy_checkpoint(ckpts[1], tmp_path / "recv")
+    proc = run_dcr("apply", url, "--since", "v1", "--into", str(recv))
+    assert proc.returncode == 0, proc.stderr
+    assert "shortcut v1->v4" not in proc.stdout
+    assert read_raw(recv) == read_raw(ckpts[4])
+    # pull --since fetches the same route.
+    proc = run_dcr("pull", url, "--since", "v1", "-o", str(tmp_path / "pulled"))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "pulled").iterdir()) == ["shortcut-v1-v3", "v4"]
+
+
+def test_a_shortcut_from_another_state_under_a_committed_label_is_no_route(tmp_path: Path) -> None:
+    url, ckpts = _committed_store(tmp_path)
+    # Labelled v2 -> v4 but built on c1's bits: its base is no committed state.
+    _plant_shortcut(tmp_path, url, ckpts[1], "v2", "v4")
+    record = json.loads((Path(url) / "shortcuts" / "v2" / "v4.json").read_text())
+    record["target"] = {"version": "v4", "fingerprint": Delta.open(tmp_path / "d4").manifest.target.fingerprint}
+    (Path(url) / "shortcuts" / "v2" / "v4.json").write_bytes(dumps(record))
+    chosen = plan(url, "v2", allow_keyframe=False)
+    assert [(s.kind, s.base, s.target) for s in chosen.steps] == [("chain", "v2", "v3"), ("chain", "v3", "v4")]
+    recv = copy_checkpoint(ckpts[2], tmp_path / "recv")  # a receiver at v2 is not stuck behind the record
+    proc = run_dcr("apply", url, "--since", "v2", "--into", str(recv))
+    assert proc.returncode == 0, proc.stderr
+    assert read_raw(recv) == read_raw(ckpts[4])
+
+
+def test_the_path_line_quotes_no_chain_that_gc_broke(tmp_path: Path) -> None:
+    url, ckpts = _committed_store(tmp_path)
+    intact = plan(url, "v1", allow_keyframe=False)
+    assert intact.chain_bytes is not None and "; chain " in intact.describe()
+    gc(url, keep=1, grace_s=0)  # v1..v3's deltas go; v4's stays; the keyframe v1 and its shortcut stay
+    broken = plan(url, "v1", allow_keyframe=False)
+    assert [(s.kind, s.base, s.target) for s in broken.steps] == [("shortcut", "v1", "v3"), ("chain", "v3", "v4")]
+    assert broken.chain_bytes is None
+    assert "no plain chain (deltas removed by gc)" in broken.describe()
+    # From v0 only the keyframe route is left; the line must not quote v4's delta as "the chain".
+    line = run_dcr("pull", url, "--since", "v0", "-o", str(tmp_path / "p")).stdout.splitlines()[0]
+    assert line.startswith("path: keyframe v1 + shortcut v1->v3 + chain v3->v4") and "; chain " not in line, line
+    assert one_error_line(
+        run_dcr("apply", url, "--since", "v0", "--into", str(copy_checkpoint(ckpts[0], tmp_path / "r")))
+    )
