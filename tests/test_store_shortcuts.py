@@ -16,9 +16,10 @@ from store_fixtures import commit_each, make_deltas, one_error_line, run_dcr, wr
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.digest import digest_bytes
+from dcr_cli.format.manifest import BlockEntry, parse_manifest
 from dcr_cli.produce import diff
-from dcr_cli.store import gc
-from dcr_cli.store.keyframes import compact, plan, publish_keyframe
+from dcr_cli.store import Store, check, gc
+from dcr_cli.store.keyframes import compact, plan, publish_keyframe, shortcuts
 from dcr_cli.store.repo import dumps
 
 
@@ -106,3 +107,59 @@ def test_the_path_line_quotes_no_chain_that_gc_broke(tmp_path: Path) -> None:
     assert one_error_line(
         run_dcr("apply", url, "--since", "v0", "--into", str(copy_checkpoint(ckpts[0], tmp_path / "r")))
     )
+
+
+def _shortcut_blocks(url: str) -> list[BlockEntry]:
+    (shortcut,) = [s for s in shortcuts(Store(url)) if s.record.version == "v3"]
+    return list(parse_manifest(Store(url).manifest_bytes(shortcut.record)).blocks)
+
+
+def test_check_examines_shortcuts(tmp_path: Path) -> None:
+    """Before, dcr check never looked at shortcuts: their objects were listed as unreferenced ("dcr gc
+    removes them", which it does not), --read-data skipped their blocks, and a missing or corrupt one passed
+    with exit 0 while every lagging receiver's apply --since took it and failed."""
+    url, ckpts = _committed_store(tmp_path)
+    store = Path(url)
+    (store / "blocks" / ".tmp-0123-upload").write_bytes(b"half")  # a killed upload: no block (store-v1 §1)
+    sc_blocks = _shortcut_blocks(url)
+    clean = check(url, read_data=True)
+    assert clean.ok, clean.problems
+    assert clean.shortcuts == 1 and clean.unreferenced_manifests == []
+    assert clean.unreferenced_blocks == [] and clean.blocks == len(list((store / "blocks").iterdir())) - 1
+    assert clean.blocks_read == clean.blocks  # the shortcut's blocks are read too
+    assert "shortcuts: 1" in run_dcr("check", url).stdout
+
+    data = next(b for b in sc_blocks if b.role == "data")
+    victim = store / "blocks" / data.id
+    good = victim.read_bytes()
+    victim.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert check(url).ok  # same size: only the bytes tell
+    proc = run_dcr("check", url, "--read-data")
+    assert proc.returncode == 1 and f"block {data.id[:16]}… is corrupt" in proc.stderr, proc.stderr
+
+    victim.unlink()
+    proc = run_dcr("check", url)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"block {data.id[:16]}… of shortcuts/v1/v3.json is missing" in proc.stderr
+    assert "remove shortcuts/v1/v3.json" in proc.stderr
+    # The fix the line gives works: without the record, a lagging receiver takes the chain.
+    (store / "shortcuts" / "v1" / "v3.json").unlink()
+    recv = copy_checkpoint(ckpts[1], tmp_path / "recv")
+    assert run_dcr("apply", url, "--since", "v1", "--into", str(recv)).returncode == 0
+    assert read_raw(recv) == read_raw(ckpts[4])
+
+
+def test_check_reports_a_shortcut_of_no_committed_state(tmp_path: Path) -> None:
+    url, ckpts = _committed_store(tmp_path)
+    _plant_shortcut(tmp_path, url, ckpts[1], "v1", "v4")
+    result = check(url, read_data=True)
+    assert result.shortcuts == 2
+    assert result.problems == [
+        f"shortcuts/v1/v4.json names 'v4' with fingerprint {result_fp(url)[:16]}…, which is not a committed "
+        "state (receivers ignore it)"
+    ]
+
+
+def result_fp(url: str) -> str:
+    (planted,) = [s for s in shortcuts(Store(url)) if s.record.version == "v4"]
+    return planted.record.target.fingerprint

@@ -64,6 +64,9 @@ def command(
                 f"keyframes: {result.keyframes} ({result.keyframe_files} files); read {result.keyframe_files_read} "
                 f"files ({human_bytes(result.keyframe_bytes_read)})"
             )
+        if result.shortcuts:
+            gone = len(result.unavailable_shortcuts)
+            say(f"shortcuts: {result.shortcuts}" + (f" ({gone} without a manifest: not taken)" if gone else ""))
         unreferenced_files = len(result.unreferenced_keyframe_files)
         if result.unreferenced_blocks or result.unreferenced_manifests or unreferenced_files:
             say(
