@@ -6,6 +6,7 @@ bits, exit 0). The ``path:`` line quotes the plain chain's cost only while that 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -163,3 +164,31 @@ def test_check_reports_a_shortcut_of_no_committed_state(tmp_path: Path) -> None:
 def result_fp(url: str) -> str:
     (planted,) = [s for s in shortcuts(Store(url)) if s.record.version == "v4"]
     return planted.record.target.fingerprint
+
+
+def test_a_join_interrupted_part_way_resumes_in_one_partial_directory(tmp_path: Path) -> None:
+    """``dcr pull --join -o DIR`` killed part-way leaves ``.DIR.partial``; the next join into DIR keeps the files
+    already there with the record's size and BLAKE3 and leaves no partial directory behind. Before, every
+    attempt downloaded into a fresh ``.DIR.partial-<random>``: a killed one stayed on disk for good (a whole
+    checkpoint each) and the next started from nothing."""
+    url, ckpts = _committed_store(tmp_path)
+    out = tmp_path / "new"
+    partial = tmp_path / ".new.partial"
+    partial.mkdir()
+    done = partial / "model.safetensors"  # what a join killed after its first file left
+    shutil.copyfile(ckpts[1] / "model.safetensors", done)
+    os.utime(done, ns=(10**18, 10**18))
+    (partial / "blocks").mkdir()  # and strays: a killed dcr pull -o new of a delta
+    (partial / "blocks" / "x").write_bytes(b"x")
+    proc = run_dcr("pull", url, "--join", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert read_raw(out) == read_raw(ckpts[1])
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert (out / "model.safetensors").stat().st_mtime_ns == 10**18  # kept, not downloaded again
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".new")) == []
+    # A damaged file left there is fetched again, not trusted.
+    out2, partial2 = tmp_path / "new2", tmp_path / ".new2.partial"
+    partial2.mkdir()
+    (partial2 / "model.safetensors").write_bytes(b"\0" * (ckpts[1] / "model.safetensors").stat().st_size)
+    assert run_dcr("pull", url, "--join", "-o", str(out2)).returncode == 0
+    assert read_raw(out2) == read_raw(ckpts[1]) and not partial2.exists()

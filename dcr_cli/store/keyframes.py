@@ -19,6 +19,7 @@ Readers that do not know these records never look under ``keyframes/`` or ``shor
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import shutil
@@ -297,6 +298,9 @@ class JoinResult:
         return asdict(self)
 
 
+_JOIN_LOCK = ".lock"  # in the partial directory of a join, as in a pull's
+
+
 def join(
     url: str,
     out: str | os.PathLike[str],
@@ -315,25 +319,47 @@ def join(
     if dest.exists():
         raise ConflictError(f"{dest} already exists; choose a new -o or remove it")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
+    # One partial directory per output, as dcr pull's (store-v1 §4.2): a join killed part-way (SIGKILL, a
+    # reboot) leaves it, and the next join into the same -o keeps the files already downloaded whose size
+    # and BLAKE3 are the record's and fetches the rest. (A fresh temporary name per run left a whole
+    # checkpoint's worth of orphaned bytes behind each killed attempt, and started again from nothing.)
+    partial = dest.parent / f".{dest.name}.partial"
+    partial.mkdir(exist_ok=True)
+    with open(partial / _JOIN_LOCK, "a+b") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConflictError(f"another dcr pull is writing {dest}; wait for it to finish") from None
+        if dest.exists():  # a concurrent join finished between our check and the lock
+            raise ConflictError(f"{dest} already exists; choose a new -o or remove it")
+        wanted = {f.name for f in frame.files}
+        for stray in partial.iterdir():  # what another keyframe, or a killed pull of a delta, left here
+            if stray.name in wanted or stray.name == _JOIN_LOCK:
+                continue
+            if stray.is_dir() and not stray.is_symlink():
+                shutil.rmtree(stray)
+            else:
+                stray.unlink()
         for f in frame.files:
             local = partial / f.name
+            if local.is_file() and local.stat().st_size == f.size and _file_digest(local) == f.digest:
+                continue  # downloaded and verified by an earlier, interrupted join
             source = store.path(keyframe_object(frame.version, f))
             try:
                 store.call(functools.partial(store.fs.get_file, source, str(local)), f"read {f.name}")
             except FileNotFoundError:
                 raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
             if local.stat().st_size != f.size or _file_digest(local) != f.digest:
+                local.unlink()
                 raise IntegrityError(f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store")
         if checkpoint_fingerprint(partial) != frame.fingerprint:
             raise IntegrityError(f"{url}: keyframe {frame.version} does not hold its recorded fingerprint")
         fsync_dir(partial)
+        # Rename while holding the lock, then drop the lock file (now inside dest), as dcr pull does.
         os.rename(partial, dest)
         fsync_dir(dest.parent)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        with contextlib.suppress(FileNotFoundError):
+            (dest / _JOIN_LOCK).unlink()
     return JoinResult(url, frame.version, frame.fingerprint, str(dest), frame.bytes)
 
 
