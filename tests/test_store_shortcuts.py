@@ -11,11 +11,13 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
 from safetensors.numpy import load_file
 from store_fixtures import commit_each, make_deltas, one_error_line, run_dcr, write_checkpoint
 
 from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import DcrError
 from dcr_cli.format.digest import digest_bytes
 from dcr_cli.format.manifest import BlockEntry, parse_manifest
 from dcr_cli.produce import diff
@@ -192,3 +194,25 @@ def test_a_join_interrupted_part_way_resumes_in_one_partial_directory(tmp_path: 
     (partial2 / "model.safetensors").write_bytes(b"\0" * (ckpts[1] / "model.safetensors").stat().st_size)
     assert run_dcr("pull", url, "--join", "-o", str(out2)).returncode == 0
     assert read_raw(out2) == read_raw(ckpts[1]) and not partial2.exists()
+
+
+def test_the_python_api_publishes_keyframes_joins_and_catches_up_as_the_cli_does(tmp_path: Path) -> None:
+    """``dcr compact``, ``dcr pull --join`` and the route of ``dcr pull --since`` are in the Python API too
+    (before: only by importing dcr_cli.store.keyframes, which the README does not name)."""
+    import dcr_cli
+
+    ckpts, deltas = make_deltas(tmp_path, 4)
+    url = str(tmp_path / "store")
+    commit_each(url, deltas)
+    dcr_cli.publish_keyframe(url, ckpts[1], version="v1")
+    assert dcr_cli.compact(url, every=2).published == ["v1..v3"]
+    dcr_cli.gc(url, keep=1, grace_s=0)  # the chain from v1 is gone: only the shortcut route is left
+    with pytest.raises(DcrError, match="gone"):
+        dcr_cli.pull_since(url, "v1", tmp_path / "plain")  # the plain chain (the CLI's --since takes the route)
+    route = dcr_cli.plan(url, "v1")
+    written = dcr_cli.pull_plan(url, route, tmp_path / "route")
+    assert [Path(p).name for p in written] == ["shortcut-v1-v3", "v4"]
+    joined = dcr_cli.join(url, tmp_path / "new")
+    assert joined.version == "v1" and read_raw(tmp_path / "new") == read_raw(ckpts[1])
+    dcr_cli.apply([Path(p) for p in written], into=tmp_path / "new")
+    assert read_raw(tmp_path / "new") == read_raw(ckpts[4])
