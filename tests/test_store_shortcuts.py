@@ -216,3 +216,17 @@ def test_the_python_api_publishes_keyframes_joins_and_catches_up_as_the_cli_does
     assert joined.version == "v1" and read_raw(tmp_path / "new") == read_raw(ckpts[1])
     dcr_cli.apply([Path(p) for p in written], into=tmp_path / "new")
     assert read_raw(tmp_path / "new") == read_raw(ckpts[4])
+
+
+def test_a_keyframe_of_another_version_names_the_version_it_holds(tmp_path: Path) -> None:
+    """``dcr compact URL --keyframe CKPT`` without --version means the head; a checkpoint of an older committed
+    version is refused with the --version that fits (before: only the two fingerprints, no next step)."""
+    url, ckpts = _committed_store(tmp_path)
+    line = one_error_line(run_dcr("compact", url, "--keyframe", str(ckpts[2])))
+    assert line.endswith("it holds committed version v2: pass --version v2"), line
+    tensors = load_file(str(ckpts[2] / "model.safetensors"))
+    tensors["norm.weight"] = (tensors["norm.weight"] * 2).astype(np.float16)
+    stranger = write_checkpoint(tmp_path / "stranger", tensors)
+    line = one_error_line(run_dcr("compact", url, "--keyframe", str(stranger)))
+    assert "it holds no committed state" in line, line
+    assert run_dcr("compact", url, "--keyframe", str(ckpts[2]), "--version", "v2").returncode == 0

@@ -227,8 +227,16 @@ def publish_keyframe(
         raise DcrError(f"{url}: {version!r} is not a committed version; a keyframe is a committed state")
     held = checkpoint_fingerprint(checkpoint)
     if held != ref.fingerprint:
+        # Say what the checkpoint is, so the fix is in the line: most often it is another committed version
+        # and --version (default: the head) was left out or named the wrong one.
+        other = next((r.version for r in committed_order(store) if r.fingerprint == held), None)
+        hint = (
+            f"it holds committed version {other}: pass --version {other}"
+            if other is not None
+            else f"it holds no committed state of {url} (see dcr log {url})"
+        )
         raise IncompatibleError(
-            f"{checkpoint} holds fingerprint {held[:16]}…, not version {ref.version} ({ref.fingerprint[:16]}…)"
+            f"{checkpoint} holds fingerprint {held[:16]}…, not version {ref.version} ({ref.fingerprint[:16]}…); {hint}"
         )
     rel = f"{KEYFRAMES}/{ref.version}.json"
     existing = store.read_record(rel, KEYFRAME_KIND)
