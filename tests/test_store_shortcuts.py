@@ -230,3 +230,22 @@ def test_a_keyframe_of_another_version_names_the_version_it_holds(tmp_path: Path
     line = one_error_line(run_dcr("compact", url, "--keyframe", str(stranger)))
     assert "it holds no committed state" in line, line
     assert run_dcr("compact", url, "--keyframe", str(ckpts[2]), "--version", "v2").returncode == 0
+
+
+def test_a_shortcut_missing_a_data_block_is_skipped_for_the_next_route(tmp_path: Path) -> None:
+    """A receiver catching up asks about the data blocks of the shortcuts its cheapest route takes; one that
+    lacks a block is left out and the next cheapest route is taken, and the path line says so. Before, the
+    shortcut stayed the choice on every run: each lagging receiver failed (exit 2) until someone removed it."""
+    url, ckpts = _committed_store(tmp_path)
+    data = next(b for b in _shortcut_blocks(url) if b.role == "data")
+    (Path(url) / "blocks" / data.id).unlink()
+    recv = copy_checkpoint(ckpts[1], tmp_path / "recv")
+    proc = run_dcr("apply", url, "--since", "v1", "--into", str(recv))
+    assert proc.returncode == 0, proc.stderr
+    path_line = proc.stdout.splitlines()[0]
+    assert path_line.startswith("path: chain v1->v2 + chain v2->v3 + chain v3->v4"), path_line
+    assert "skipped shortcut v1->v3: a block is missing from the store (see dcr check)" in path_line
+    assert read_raw(recv) == read_raw(ckpts[4])
+    # pull --since and a joining receiver's route skip it the same way.
+    assert [s.kind for s in plan(url, "v1").steps] == ["chain", "chain", "chain"]
+    assert [s.kind for s in plan(url, None).steps] == ["keyframe", "chain", "chain", "chain"]

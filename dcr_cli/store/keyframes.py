@@ -510,6 +510,7 @@ class Plan:
     chain_bytes: int | None  # the plain chain's bytes (None: no chain from the receiver's version)
     keyframe_bytes: int | None  # the cheapest keyframe route's bytes, if any
     chain_gone: str = ""  # what describe() says when a receiver has a version but no plain chain reaches the target
+    skipped: list[str] = field(default_factory=list)  # "base->target" of shortcuts left out: a data block is missing
 
     @property
     def bytes(self) -> int:
@@ -522,6 +523,8 @@ class Plan:
         alt = [f"chain {self.chain_bytes} B" if self.chain_bytes is not None else self.chain_gone, ""]
         if self.keyframe_bytes is not None:
             alt[1] = f"keyframe route {self.keyframe_bytes} B"
+        if self.skipped:
+            alt.append(f"skipped shortcut {', '.join(self.skipped)}: a block is missing from the store (see dcr check)")
         others = ", ".join(a for a in alt if a)
         return f"path: {' + '.join(parts) or 'nothing to fetch'} ({self.bytes} B; {others or 'no other path'})"
 
@@ -583,13 +586,26 @@ def plan(
                         best[j] = (cost + e.bytes, [*steps, e])
         return best.get(end)
 
-    chain_route = cheapest({pos[since]: (0, [])}) if since is not None else None
     starts = {
         pos[v]: (f.bytes, [Step("keyframe", None, v, f.bytes, frame=f)])
         for v, f in frames.items()
         if v in pos and pos[v] <= end and by_fp.get(v) == f.fingerprint
     }
-    frame_route = cheapest(starts) if starts else None
+    skipped: list[str] = []
+    while True:
+        chain_route = cheapest({pos[since]: (0, [])}) if since is not None else None
+        frame_route = cheapest(starts) if starts else None
+        chosen = [r for r in (chain_route, frame_route if allow_keyframe or since is None else None) if r]
+        if not chosen:
+            break
+        # A shortcut on the cheapest route whose data blocks are not all on the store (a damaged store,
+        # store-v1 §4.5) is no route: every lagging receiver would take it and fail. Asked only about the
+        # shortcuts a route would take, one question per block; then the next cheapest is chosen.
+        broken = [s for s in min(chosen, key=lambda r: r[0])[1] if s.kind == "shortcut" and not _present(store, s)]
+        if not broken:
+            break
+        skipped.extend(f"{s.base}->{s.target}" for s in broken)
+        edges = [e for e in edges if e not in broken]
     chain_only = None
     if since is not None:
         # The plain chain's cost, only if it still reaches the target: a sum over the deltas gc left
@@ -607,7 +623,19 @@ def plan(
         raise DcrError(f"{url}: no path reaches {target.version!r} without state; publish a keyframe first")
     _cost, steps = min(options, key=lambda r: r[0])
     gone = "no plain chain (deltas removed by gc)" if since is not None and chain_only is None else ""
-    return Plan(steps, chain_only, frame_route[0] if frame_route else None, gone)
+    return Plan(steps, chain_only, frame_route[0] if frame_route else None, gone, skipped)
+
+
+def _present(store: Store, step: Step) -> bool:
+    """Whether every data block of a shortcut's manifest is on the store with its size (its manifest intact)."""
+    assert step.record is not None
+    try:
+        manifest = parse_manifest(store.manifest_bytes(step.record))
+    except DcrError:
+        return False
+    data = [b for b in manifest.blocks if b.role == "data"]
+    found = stat_blocks(store, data, DEFAULT_WORKERS)
+    return all((entry := found[b.id]) is not None and entry.size == b.size for b in data)
 
 
 def pull_plan(
