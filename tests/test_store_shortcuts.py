@@ -249,3 +249,14 @@ def test_a_shortcut_missing_a_data_block_is_skipped_for_the_next_route(tmp_path:
     # pull --since and a joining receiver's route skip it the same way.
     assert [s.kind for s in plan(url, "v1").steps] == ["chain", "chain", "chain"]
     assert [s.kind for s in plan(url, None).steps] == ["keyframe", "chain", "chain", "chain"]
+
+
+def test_a_refused_keyframe_leaves_no_partial_directory(tmp_path: Path) -> None:
+    url, _ckpts = _committed_store(tmp_path)
+    (obj,) = (Path(url) / "keyframes" / "v1").iterdir()
+    data = bytearray(obj.read_bytes())
+    data[-1] ^= 1
+    obj.write_bytes(bytes(data))
+    proc = run_dcr("pull", url, "--join", "-o", str(tmp_path / "bad"))
+    assert proc.returncode == 2 and "corrupt" in one_error_line(proc)
+    assert sorted(p.name for p in tmp_path.iterdir() if "bad" in p.name) == []

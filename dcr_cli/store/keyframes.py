@@ -338,30 +338,18 @@ def join(
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConflictError(f"another dcr pull is writing {dest}; wait for it to finish") from None
-        if dest.exists():  # a concurrent join finished between our check and the lock
-            raise ConflictError(f"{dest} already exists; choose a new -o or remove it")
-        wanted = {f.name for f in frame.files}
-        for stray in partial.iterdir():  # what another keyframe, or a killed pull of a delta, left here
-            if stray.name in wanted or stray.name == _JOIN_LOCK:
-                continue
-            if stray.is_dir() and not stray.is_symlink():
-                shutil.rmtree(stray)
-            else:
-                stray.unlink()
-        for f in frame.files:
-            local = partial / f.name
-            if local.is_file() and local.stat().st_size == f.size and _file_digest(local) == f.digest:
-                continue  # downloaded and verified by an earlier, interrupted join
-            source = store.path(keyframe_object(frame.version, f))
-            try:
-                store.call(functools.partial(store.fs.get_file, source, str(local)), f"read {f.name}")
-            except FileNotFoundError:
-                raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
-            if local.stat().st_size != f.size or _file_digest(local) != f.digest:
-                local.unlink()
-                raise IntegrityError(f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store")
-        if checkpoint_fingerprint(partial) != frame.fingerprint:
-            raise IntegrityError(f"{url}: keyframe {frame.version} does not hold its recorded fingerprint")
+        try:
+            if dest.exists():  # a concurrent join finished between our check and the lock
+                raise ConflictError(f"{dest} already exists; choose a new -o or remove it")
+            _fetch_keyframe(store, url, frame, partial)
+        except BaseException:
+            # Keep what a re-run can resume from (files verified before, say, a network error), but no
+            # empty directory: a refused keyframe (corrupt, wrong fingerprint) leaves nothing behind.
+            with contextlib.suppress(OSError):
+                if {p.name for p in partial.iterdir()} <= {_JOIN_LOCK}:
+                    (partial / _JOIN_LOCK).unlink()
+                    partial.rmdir()
+            raise
         fsync_dir(partial)
         # Rename while holding the lock, then drop the lock file (now inside dest), as dcr pull does.
         os.rename(partial, dest)
@@ -369,6 +357,35 @@ def join(
         with contextlib.suppress(FileNotFoundError):
             (dest / _JOIN_LOCK).unlink()
     return JoinResult(url, frame.version, frame.fingerprint, str(dest), frame.bytes)
+
+
+def _fetch_keyframe(store: Store, url: str, frame: KeyframeRecord, partial: Path) -> None:
+    """Every file of ``frame`` in ``partial``, verified (size, BLAKE3, then the whole checkpoint's fingerprint);
+    files already there that verify are kept (an interrupted join), anything else there is removed."""
+    wanted = {f.name for f in frame.files}
+    for stray in partial.iterdir():  # what another keyframe, or a killed pull of a delta, left here
+        if stray.name in wanted or stray.name == _JOIN_LOCK:
+            continue
+        if stray.is_dir() and not stray.is_symlink():
+            shutil.rmtree(stray)
+        else:
+            stray.unlink()
+    for f in frame.files:
+        local = partial / f.name
+        if local.is_file() and local.stat().st_size == f.size and _file_digest(local) == f.digest:
+            continue  # downloaded and verified by an earlier, interrupted join
+        source = store.path(keyframe_object(frame.version, f))
+        try:
+            store.call(functools.partial(store.fs.get_file, source, str(local)), f"read {f.name}")
+        except FileNotFoundError:
+            raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
+        if local.stat().st_size != f.size or _file_digest(local) != f.digest:
+            local.unlink()
+            raise IntegrityError(f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store")
+    if checkpoint_fingerprint(partial) != frame.fingerprint:
+        for f in frame.files:  # each file is as recorded, the record is wrong: nothing here is worth resuming
+            (partial / f.name).unlink()
+        raise IntegrityError(f"{url}: keyframe {frame.version} does not hold its recorded fingerprint")
 
 
 # -- shortcuts ---------------------------------------------------------------------------------------------------------
