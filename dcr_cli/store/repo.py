@@ -226,6 +226,8 @@ def poll(probe: Callable[[], T | None], deadline: float, what: str, on_wait: Cal
     """``probe()`` until it returns something, asked every POLL_S until ``deadline`` (time.monotonic);
     then NotReadyError (exit 4) saying ``what`` did not appear. ``on_wait(what)`` is called once, when
     the first answer is no (the caller is then ready and waiting)."""
+    if deadline != deadline:  # NaN (--wait nan): no comparison with it is ever true, so it waited for good
+        raise DcrError("--wait must be a number of seconds (0 or more; inf waits until it appears), not nan")
     while True:
         found = probe()
         if found is not None:
