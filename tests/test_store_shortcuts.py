@@ -16,8 +16,9 @@ from helpers_checkpoints import copy_checkpoint, read_raw
 from safetensors.numpy import load_file
 from store_fixtures import commit_each, make_deltas, one_error_line, run_dcr, write_checkpoint
 
+import dcr_cli
 from dcr_cli.delta.reader import Delta
-from dcr_cli.errors import DcrError
+from dcr_cli.errors import DcrError, IntegrityError
 from dcr_cli.format.digest import digest_bytes
 from dcr_cli.format.manifest import BlockEntry, parse_manifest
 from dcr_cli.produce import diff
@@ -199,8 +200,6 @@ def test_a_join_interrupted_part_way_resumes_in_one_partial_directory(tmp_path: 
 def test_the_python_api_publishes_keyframes_joins_and_catches_up_as_the_cli_does(tmp_path: Path) -> None:
     """``dcr compact``, ``dcr pull --join`` and the route of ``dcr pull --since`` are in the Python API too
     (before: only by importing dcr_cli.store.keyframes, which the README does not name)."""
-    import dcr_cli
-
     ckpts, deltas = make_deltas(tmp_path, 4)
     url = str(tmp_path / "store")
     commit_each(url, deltas)
@@ -260,3 +259,27 @@ def test_a_refused_keyframe_leaves_no_partial_directory(tmp_path: Path) -> None:
     proc = run_dcr("pull", url, "--join", "-o", str(tmp_path / "bad"))
     assert proc.returncode == 2 and "corrupt" in one_error_line(proc)
     assert sorted(p.name for p in tmp_path.iterdir() if "bad" in p.name) == []
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read(2) and the like (Linux /proc/self/io ``rchar``)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_a_keyframe_object_larger_than_its_record_is_refused_after_its_size(tmp_path: Path) -> None:
+    """A join reads each keyframe file in ranges bounded by its recorded size plus one byte, hashing as the bytes
+    arrive (store-v1 §4.2's rule for blocks). Before, it downloaded the whole object (and read it again to hash
+    it): an object far larger than its record said was fetched in full before the size check refused it."""
+    url, _ckpts = _committed_store(tmp_path)
+    (obj,) = (Path(url) / "keyframes" / "v1").iterdir()
+    size = obj.stat().st_size
+    with open(obj, "r+b") as f:
+        f.truncate(size + (64 << 20))  # 64 MiB more than the record says (a sparse tail: no disk used)
+    before = _bytes_read()
+    with pytest.raises(IntegrityError, match="corrupt on the store"):
+        dcr_cli.join(url, tmp_path / "new")
+    assert _bytes_read() - before < size + (4 << 20)
+    assert not (tmp_path / "new").exists() and not (tmp_path / ".new.partial").exists()

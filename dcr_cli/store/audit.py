@@ -230,8 +230,10 @@ def check(
             f"block {b[:16]}… is corrupt (digest mismatch)" for b, ok in zip(candidates, intact, strict=True) if not ok
         )
 
+        from .keyframes import KeyframeFileSource
+
         def verify_file(version: str, f: KeyframeFile) -> bool:
-            ok = block_intact(_KeyframeFileSource(store, version, f), BlockEntry(f.digest, f.size, "data"))
+            ok = block_intact(KeyframeFileSource(store, version, f), BlockEntry(f.digest, f.size, "data"))
             if progress is not None:
                 progress(f.size)
             return ok
@@ -254,20 +256,6 @@ def _republish(store: Store, version: str) -> str:
         f"a joining receiver refuses it; remove keyframes/{version}.json, then publish it again "
         f"(dcr compact {store.url} --keyframe CHECKPOINT --version {version})"
     )
-
-
-class _KeyframeFileSource(StoreBlockSource):
-    """A keyframe file read as a block is (store-v1 §6.1): in bounded ranges, at most its recorded size plus
-    one byte, its BLAKE3 computed as the ranges arrive."""
-
-    def __init__(self, store: Store, version: str, file: KeyframeFile) -> None:
-        from .keyframes import keyframe_object
-
-        super().__init__(store)
-        self.rel = keyframe_object(version, file)
-
-    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
-        return self.store.read_range(self.rel, start, end)
 
 
 def _check_keyframes(

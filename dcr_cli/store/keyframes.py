@@ -38,10 +38,22 @@ from ..delta.source import CHUNK_BYTES
 from ..delta.squash import UnsquashableError, squash
 from ..errors import ConflictError, DcrError, FormatError, IncompatibleError, IntegrityError
 from ..format.digest import StreamingDigest, is_digest
-from ..format.manifest import fingerprint, parse_manifest
+from ..format.manifest import BlockEntry, fingerprint, parse_manifest
 from ..format.store_records import SHORTCUT_KIND, SHORTCUTS
 from ..io.files import fsync_dir
-from .repo import MANIFESTS, STORE_MAJOR, STORE_MINOR, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
+from .repo import (
+    MANIFESTS,
+    STORE_MAJOR,
+    STORE_MINOR,
+    Listing,
+    Ref,
+    Store,
+    StoreBlockSource,
+    VersionRecord,
+    check_label,
+    dumps,
+    utc_now,
+)
 from .transfer import (
     DEFAULT_WORKERS,
     REFRESH_S,
@@ -199,6 +211,19 @@ def _file_digest(path: Path) -> str:
 
 def keyframe_object(version: str, file: KeyframeFile) -> str:
     return f"{KEYFRAMES}/{version}/{file.stored}"
+
+
+class KeyframeFileSource(StoreBlockSource):
+    """A keyframe file read as a block is (store-v1 §6.1): in bounded ranges, at most its recorded size plus
+    one byte, its BLAKE3 computed as the ranges arrive (``chunks``). A join and ``dcr check --read-data`` both
+    read keyframe files this way."""
+
+    def __init__(self, store: Store, version: str, file: KeyframeFile) -> None:
+        super().__init__(store)
+        self.rel = keyframe_object(version, file)
+
+    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
+        return self.store.read_range(self.rel, start, end)
 
 
 def publish_keyframe(
@@ -374,14 +399,24 @@ def _fetch_keyframe(store: Store, url: str, frame: KeyframeRecord, partial: Path
         local = partial / f.name
         if local.is_file() and local.stat().st_size == f.size and _file_digest(local) == f.digest:
             continue  # downloaded and verified by an earlier, interrupted join
-        source = store.path(keyframe_object(frame.version, f))
+        # In bounded ranges, hashed as they arrive (one pass): an object larger than its record says is
+        # refused after reading at most its recorded size plus one byte, not downloaded whole first.
+        source = KeyframeFileSource(store, frame.version, f)
         try:
-            store.call(functools.partial(store.fs.get_file, source, str(local)), f"read {f.name}")
+            with open(local, "wb") as dst:
+                for chunk in source.chunks(BlockEntry(f.digest, f.size, "data")):
+                    dst.write(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
         except FileNotFoundError:
+            local.unlink(missing_ok=True)
             raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
-        if local.stat().st_size != f.size or _file_digest(local) != f.digest:
-            local.unlink()
-            raise IntegrityError(f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store")
+        except IntegrityError:
+            local.unlink(missing_ok=True)
+            raise IntegrityError(
+                f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store (its size or BLAKE3 is "
+                "not its record's)"
+            ) from None
     if checkpoint_fingerprint(partial) != frame.fingerprint:
         for f in frame.files:  # each file is as recorded, the record is wrong: nothing here is worth resuming
             (partial / f.name).unlink()
