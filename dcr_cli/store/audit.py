@@ -46,6 +46,7 @@ from .repo import (
     MANIFESTS,
     VERSIONS,
     CommitRecord,
+    ObjectBlockSource,
     Ref,
     Store,
     StoreBlockSource,
@@ -230,10 +231,12 @@ def check(
             f"block {b[:16]}… is corrupt (digest mismatch)" for b, ok in zip(candidates, intact, strict=True) if not ok
         )
 
-        from .keyframes import KeyframeFileSource
+        from .keyframes import keyframe_object
 
         def verify_file(version: str, f: KeyframeFile) -> bool:
-            ok = block_intact(KeyframeFileSource(store, version, f), BlockEntry(f.digest, f.size, "data"))
+            ok = block_intact(
+                ObjectBlockSource(store, keyframe_object(version, f)), BlockEntry(f.digest, f.size, "data")
+            )
             if progress is not None:
                 progress(f.size)
             return ok

@@ -41,19 +41,7 @@ from ..format.digest import StreamingDigest, is_digest
 from ..format.manifest import BlockEntry, fingerprint, parse_manifest
 from ..format.store_records import SHORTCUT_KIND, SHORTCUTS
 from ..io.files import fsync_dir
-from .repo import (
-    MANIFESTS,
-    STORE_MAJOR,
-    STORE_MINOR,
-    Listing,
-    Ref,
-    Store,
-    StoreBlockSource,
-    VersionRecord,
-    check_label,
-    dumps,
-    utc_now,
-)
+from .repo import MANIFESTS, STORE_MAJOR, STORE_MINOR, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
 from .transfer import (
     DEFAULT_WORKERS,
     REFRESH_S,
@@ -211,19 +199,6 @@ def _file_digest(path: Path) -> str:
 
 def keyframe_object(version: str, file: KeyframeFile) -> str:
     return f"{KEYFRAMES}/{version}/{file.stored}"
-
-
-class KeyframeFileSource(StoreBlockSource):
-    """A keyframe file read as a block is (store-v1 §6.1): in bounded ranges, at most its recorded size plus
-    one byte, its BLAKE3 computed as the ranges arrive (``chunks``). A join and ``dcr check --read-data`` both
-    read keyframe files this way."""
-
-    def __init__(self, store: Store, version: str, file: KeyframeFile) -> None:
-        super().__init__(store)
-        self.rel = keyframe_object(version, file)
-
-    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
-        return self.store.read_range(self.rel, start, end)
 
 
 def publish_keyframe(
@@ -387,6 +362,8 @@ def join(
 def _fetch_keyframe(store: Store, url: str, frame: KeyframeRecord, partial: Path) -> None:
     """Every file of ``frame`` in ``partial``, verified (size, BLAKE3, then the whole checkpoint's fingerprint);
     files already there that verify are kept (an interrupted join), anything else there is removed."""
+    from .repo import ObjectBlockSource
+
     wanted = {f.name for f in frame.files}
     for stray in partial.iterdir():  # what another keyframe, or a killed pull of a delta, left here
         if stray.name in wanted or stray.name == _JOIN_LOCK:
@@ -401,7 +378,7 @@ def _fetch_keyframe(store: Store, url: str, frame: KeyframeRecord, partial: Path
             continue  # downloaded and verified by an earlier, interrupted join
         # In bounded ranges, hashed as they arrive (one pass): an object larger than its record says is
         # refused after reading at most its recorded size plus one byte, not downloaded whole first.
-        source = KeyframeFileSource(store, frame.version, f)
+        source = ObjectBlockSource(store, keyframe_object(frame.version, f))
         try:
             with open(local, "wb") as dst:
                 for chunk in source.chunks(BlockEntry(f.digest, f.size, "data")):

@@ -578,3 +578,16 @@ class StoreBlockSource(BlockSource):
             "still uploading repair blocks or was stopped after publishing; wait for it to finish, or re-run "
             f"dcr push DELTA {self.store.url}, then re-run"
         )
+
+
+class ObjectBlockSource(StoreBlockSource):
+    """One object of the store (``rel``) read as a block is: in bounded ranges, at most its recorded size plus one
+    byte, its BLAKE3 computed as the ranges arrive (``chunks``). Keyframe files are read so, by a join and by
+    ``dcr check --read-data`` (store-v1 §6.1)."""
+
+    def __init__(self, store: Store, rel: str) -> None:
+        super().__init__(store)
+        self.rel = rel
+
+    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
+        return self.store.read_range(self.rel, start, end)
