@@ -283,3 +283,18 @@ def test_a_keyframe_object_larger_than_its_record_is_refused_after_its_size(tmp_
         dcr_cli.join(url, tmp_path / "new")
     assert _bytes_read() - before < size + (4 << 20)
     assert not (tmp_path / "new").exists() and not (tmp_path / ".new.partial").exists()
+
+
+def test_check_does_not_call_the_blocks_of_a_damaged_manifest_garbage(tmp_path: Path) -> None:
+    """A version whose manifest is on the store but damaged lists blocks check cannot know: its line about
+    unreferenced objects must not say "dcr gc removes them" (before, it did, for the head's own blocks)."""
+    url, _ckpts = _committed_store(tmp_path)
+    record = Store(url).version("v4")
+    assert record is not None
+    (Path(url) / "manifests" / f"{record.manifest}.json").write_bytes(b"\0" * 100)
+    proc = run_dcr("check", url)
+    assert proc.returncode == 1
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("unreferenced")]
+    assert "dcr gc removes them" not in line and "damaged manifests of v4, which are not garbage" in line, line
+    result = check(url)
+    assert result.unreadable_manifests == ["v4"] and not result.ok

@@ -84,6 +84,9 @@ class CheckResult:
     unreferenced_keyframe_files: list[str] = field(default_factory=list)  # "<v>/<object>" no record names
     shortcuts: int = 0  # shortcut records read
     unavailable_shortcuts: list[str] = field(default_factory=list)  # "<base>..<target>" whose manifest is absent
+    # versions whose manifest is present but damaged: the blocks it lists are unknown, so some "unreferenced"
+    # blocks may be theirs (gc stops on such a manifest rather than remove them)
+    unreadable_manifests: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -141,6 +144,7 @@ def check(
     repair_pending: dict[str, int] = {}
     referenced: dict[str, int] = {}
     unavailable: list[str] = []
+    unreadable: list[str] = []  # versions whose manifest is there but damaged: their blocks are unknown
     checked = 0
     for record in sorted(records.values(), key=lambda r: r.version):
         if f"{record.manifest}.json" not in manifest_names:
@@ -157,6 +161,7 @@ def check(
             manifest = parse_manifest(store.manifest_bytes(record))
         except DcrError as exc:
             problems.append(str(exc))
+            unreadable.append(record.version)
             continue
         if (manifest.base.fingerprint, manifest.target.fingerprint) != (
             record.base.fingerprint,
@@ -199,6 +204,7 @@ def check(
         repair_pending=repair_pending,
         shortcuts=shortcut_count,
         unavailable_shortcuts=unavailable_shortcuts,
+        unreadable_manifests=unreadable,
     )
 
     frames, present, unreferenced_files = _check_keyframes(store, genesis, chain, problems)
