@@ -37,6 +37,12 @@ _API = {
     "gc": "store",
     "check": "store",
     "open_delta": "store",
+    # keyframes, shortcuts and catch-up routes (dcr compact, dcr pull --join, --since on such a store)
+    "publish_keyframe": "store.keyframes",
+    "compact": "store.keyframes",
+    "join": "store.keyframes",
+    "plan": "store.keyframes",
+    "pull_plan": "store.keyframes",
 }
 
 __all__ = sorted(_API)

@@ -268,6 +268,16 @@ def make_deltas(tmp: Path, steps: int, *, seed: int = 0, size: int = 4096) -> tu
     return ckpts, deltas
 
 
+def commit_each(url: str, deltas: list[Path], storage_options: dict[str, Any] | None = None) -> None:
+    """Push, acknowledge (as receiver "r") and commit each delta of ``make_deltas`` in turn: v1..vN committed."""
+    from dcr_cli.store import acknowledge, commit, push
+
+    for i, d in enumerate(deltas, start=1):
+        push(d, url, storage_options=storage_options)
+        acknowledge(url, f"v{i}", "r", storage_options=storage_options)
+        commit(url, f"v{i}", receivers=["r"], storage_options=storage_options)
+
+
 def big_delta(tmp: Path, name: str = "big", *, tensors: int = 16, elements: int = 4096, sparse: bool = False) -> Path:
     """A delta v0 -> v1 with one block per tensor (all elements change), ~0.5 MiB in all.
 

@@ -64,10 +64,20 @@ def command(
                 f"keyframes: {result.keyframes} ({result.keyframe_files} files); read {result.keyframe_files_read} "
                 f"files ({human_bytes(result.keyframe_bytes_read)})"
             )
+        if result.shortcuts:
+            gone = len(result.unavailable_shortcuts)
+            say(f"shortcuts: {result.shortcuts}" + (f" ({gone} without a manifest: not taken)" if gone else ""))
         unreferenced_files = len(result.unreferenced_keyframe_files)
         if result.unreferenced_blocks or result.unreferenced_manifests or unreferenced_files:
+            why = (
+                "killed pushes, dropped versions, or blocks of the damaged manifests of "
+                f"{', '.join(result.unreadable_manifests)}, which are not garbage: restore those manifests "
+                "(the delta's manifest.json) before any dcr gc"
+                if result.unreadable_manifests
+                else "killed pushes or dropped versions; dcr gc removes them"
+            )
             say(
-                f"unreferenced (killed pushes or dropped versions; dcr gc removes them): "
+                f"unreferenced ({why}): "
                 f"{len(result.unreferenced_blocks)} blocks, {len(result.unreferenced_manifests)} manifests"
                 + (f", {unreferenced_files} keyframe files" if unreferenced_files else "")
             )

@@ -36,8 +36,25 @@ def printable(text: str) -> str:
 
 def say(text: str, err: bool = False) -> None:
     """Print one line of human output. Every command's messages go through here: they carry version
-    labels, receiver names and paths that come from manifests and store records, which may be hostile."""
-    click.echo(printable(text), err=err)
+    labels, receiver names and paths that come from manifests and store records, which may be hostile.
+
+    A reader that went away (``dcr apply … | head -1``, a log shipper restarting) must not stop the work
+    these lines report on: a refit half done between two deltas, its --ack never sent. The stream is
+    pointed at /dev/null and the command goes on; its exit code still says how the work went."""
+    try:
+        click.echo(printable(text), err=err)
+    except BrokenPipeError:
+        _discard_output(sys.stderr if err else sys.stdout)
+
+
+def _discard_output(stream: Any) -> None:
+    """Send what is still buffered for ``stream``, and everything written to it later, to /dev/null (so the
+    interpreter's flush at exit does not raise again)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
 
 
 def one_line(text: str) -> str:
@@ -116,7 +133,10 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False))
+    try:
+        click.echo(json.dumps(obj, indent=2, sort_keys=False))
+    except BrokenPipeError:  # the work is done; a reader that left early is no failure of it (see say)
+        _discard_output(sys.stdout)
 
 
 Counter = Callable[[int], None]  # called with a byte count

@@ -7,6 +7,8 @@ something that looks like a delta.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -227,6 +229,8 @@ class DeltaWriter:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(self._tmp, 0o777 & ~umask)  # mkdtemp makes it private; a delta is ordinary data
+        self._held = _hold(self._tmp)
+        _sweep_partials(self.out, self._tmp)
         (self._tmp / BLOCKS_DIR).mkdir()
         self._lock = threading.Lock()
         # An added item's fields (tensor, region, op, count, positions_length, pre, post, residual,
@@ -296,8 +300,10 @@ class DeltaWriter:
         fsync_dir(self._tmp)  # the index file's rename into the directory, before the directory's own rename
         if self.out.exists():
             self.out.rmdir()  # empty, checked in __init__
+        (self._tmp / _PARTIAL_LOCK).unlink()  # still held: no sweep takes a directory without one
         os.replace(self._tmp, self.out)
         fsync_dir(self.out.parent)
+        os.close(self._held)
 
     def finish(
         self,
@@ -328,3 +334,39 @@ class DeltaWriter:
         for packer in self._packers.values():
             packer.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(self._held)
+
+
+_PARTIAL_LOCK = ".lock"  # in a writer's partial directory, flock-held while the writer lives
+
+
+def _hold(partial: Path) -> int:
+    """Lock a new partial directory as its writer's for as long as the process lives: the lock file is
+    locked under a temporary name and only then renamed into place, so a sweep never sees it unlocked."""
+    tmp = partial / f"{_PARTIAL_LOCK}.tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(tmp, partial / _PARTIAL_LOCK)
+    return fd
+
+
+def _sweep_partials(out: Path, own: Path) -> None:
+    """Remove what killed writers of ``out`` left: ``.<out>.partial-*`` directories whose lock no process
+    holds (the kernel dropped it with the writer). A killed dcr diff otherwise leaves a delta's worth of
+    blocks for good under a random name, and every retry another. Directories without a lock file (an
+    older dcr's, or one being committed) are left alone."""
+    for other in out.parent.glob(f".{out.name}.partial-*"):
+        if other == own or not (other / _PARTIAL_LOCK).is_file():
+            continue
+        try:
+            fd = os.open(other / _PARTIAL_LOCK, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(other, ignore_errors=True)  # its writer is gone
+        except BlockingIOError:
+            pass  # a live writer
+        finally:
+            os.close(fd)

@@ -18,6 +18,12 @@ it names is present under ``keyframes/<v>/`` with its size (one listing per
 keyframe); ``read_data`` also reads each file and checks its BLAKE3, which the
 object's name (``<BLAKE3>-<name>``) states. Files no record names (a publish
 stopped before its record) are reported as leftovers, like unreferenced blocks.
+
+Shortcuts (store-v1 §6.2) are checked as versions are: each record under ``shortcuts/<base>/`` parses, is
+named for its base and target, joins two committed states with their fingerprints, and its manifest (when
+present) has its digest and fingerprints and lists blocks that are present with their size (``read_data``:
+their BLAKE3). A receiver catching up takes the cheapest route, so one damaged shortcut fails every lagging
+receiver; a shortcut whose manifest is absent is not damage (receivers do not take it).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DcrError
 from ..format.manifest import BlockEntry, parse_manifest
+from ..format.store_records import SHORTCUT_KIND, SHORTCUTS
 from .backends import TMP_PREFIX
 from .repo import (
     BLOCKS,
@@ -39,6 +46,7 @@ from .repo import (
     MANIFESTS,
     VERSIONS,
     CommitRecord,
+    ObjectBlockSource,
     Ref,
     Store,
     StoreBlockSource,
@@ -74,6 +82,11 @@ class CheckResult:
     keyframe_files_read: int = 0
     keyframe_bytes_read: int = 0
     unreferenced_keyframe_files: list[str] = field(default_factory=list)  # "<v>/<object>" no record names
+    shortcuts: int = 0  # shortcut records read
+    unavailable_shortcuts: list[str] = field(default_factory=list)  # "<base>..<target>" whose manifest is absent
+    # versions whose manifest is present but damaged: the blocks it lists are unknown, so some "unreferenced"
+    # blocks may be theirs (gc stops on such a manifest rather than remove them)
+    unreadable_manifests: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -125,11 +138,13 @@ def check(
     needed_now = {head} | {r.version for r in records.values() if r.base.version == head}
 
     manifest_names = {e.name for e in store.list(MANIFESTS)}
-    blocks = {e.name: e.size for e in store.list(BLOCKS)}
+    # A .tmp-* object is an upload in progress (or killed): no block yet (store-v1 §1: readers ignore it).
+    blocks = {e.name: e.size for e in store.list(BLOCKS) if not e.name.startswith(TMP_PREFIX)}
     complete = {e.name for e in store.list(COMPLETE)}
     repair_pending: dict[str, int] = {}
     referenced: dict[str, int] = {}
     unavailable: list[str] = []
+    unreadable: list[str] = []  # versions whose manifest is there but damaged: their blocks are unknown
     checked = 0
     for record in sorted(records.values(), key=lambda r: r.version):
         if f"{record.manifest}.json" not in manifest_names:
@@ -146,6 +161,7 @@ def check(
             manifest = parse_manifest(store.manifest_bytes(record))
         except DcrError as exc:
             problems.append(str(exc))
+            unreadable.append(record.version)
             continue
         if (manifest.base.fingerprint, manifest.target.fingerprint) != (
             record.base.fingerprint,
@@ -169,7 +185,10 @@ def check(
                     f"expected {block.size}"
                 )
 
-    published = {f"{r.manifest}.json" for r in records.values()}
+    shortcut_count, shortcut_manifests, unavailable_shortcuts = _check_shortcuts(
+        store, genesis, chain, manifest_names, blocks, referenced, problems
+    )
+    published = {f"{r.manifest}.json" for r in records.values()} | shortcut_manifests
     result = CheckResult(
         store=url,
         versions=len(records),
@@ -183,6 +202,9 @@ def check(
         unreferenced_blocks=sorted(name for name in blocks if name not in referenced),
         unreferenced_manifests=sorted(name for name in manifest_names if name not in published),
         repair_pending=repair_pending,
+        shortcuts=shortcut_count,
+        unavailable_shortcuts=unavailable_shortcuts,
+        unreadable_manifests=unreadable,
     )
 
     frames, present, unreferenced_files = _check_keyframes(store, genesis, chain, problems)
@@ -215,8 +237,12 @@ def check(
             f"block {b[:16]}… is corrupt (digest mismatch)" for b, ok in zip(candidates, intact, strict=True) if not ok
         )
 
+        from .keyframes import keyframe_object
+
         def verify_file(version: str, f: KeyframeFile) -> bool:
-            ok = block_intact(_KeyframeFileSource(store, version, f), BlockEntry(f.digest, f.size, "data"))
+            ok = block_intact(
+                ObjectBlockSource(store, keyframe_object(version, f)), BlockEntry(f.digest, f.size, "data")
+            )
             if progress is not None:
                 progress(f.size)
             return ok
@@ -239,20 +265,6 @@ def _republish(store: Store, version: str) -> str:
         f"a joining receiver refuses it; remove keyframes/{version}.json, then publish it again "
         f"(dcr compact {store.url} --keyframe CHECKPOINT --version {version})"
     )
-
-
-class _KeyframeFileSource(StoreBlockSource):
-    """A keyframe file read as a block is (store-v1 §6.1): in bounded ranges, at most its recorded size plus
-    one byte, its BLAKE3 computed as the ranges arrive."""
-
-    def __init__(self, store: Store, version: str, file: KeyframeFile) -> None:
-        from .keyframes import keyframe_object
-
-        super().__init__(store)
-        self.rel = keyframe_object(version, file)
-
-    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
-        return self.store.read_range(self.rel, start, end)
 
 
 def _check_keyframes(
@@ -319,6 +331,79 @@ def _check_keyframes(
         stored = {f.stored for f in files}
         unreferenced.extend(f"{name}/{obj}" for obj in sorted(listed) if obj not in stored)
     return frames, present, unreferenced
+
+
+def _check_shortcuts(
+    store: Store,
+    genesis: Ref,
+    chain: list[CommitRecord],
+    manifest_names: set[str],
+    blocks: dict[str, int],
+    referenced: dict[str, int],
+    problems: list[str],
+) -> tuple[int, set[str], list[str]]:
+    """Shortcut records, their manifests and blocks (store-v1 §6.2); damage goes to ``problems``, and the
+    blocks the shortcuts list join ``referenced`` (what ``read_data`` reads; no longer "unreferenced").
+
+    Returns (records read, the manifest file names they name, "<base>..<target>" of those whose manifest is
+    absent). A finding is dropped if the record is gone when it is made: gc removed it meanwhile (§6.4)."""
+    committed = {genesis.version: genesis.fingerprint, **{c.target.version: c.target.fingerprint for c in chain}}
+    count, manifests, unavailable = 0, set[str](), list[str]()
+    for base in sorted(store.list_dirs(SHORTCUTS)):
+        for entry in sorted(store.list(f"{SHORTCUTS}/{base}"), key=lambda e: e.name):
+            if not entry.name.endswith(".json") or entry.name.startswith(TMP_PREFIX):
+                continue
+            rel = f"{SHORTCUTS}/{base}/{entry.name}"
+            found: list[str] = []
+            try:
+                obj = store.read_record(rel, SHORTCUT_KIND)
+                if obj is None:
+                    continue
+                record = VersionRecord.from_json(obj, f"{store.url}/{rel}")
+            except DcrError as exc:
+                problems.append(f"{rel}: {exc}")
+                continue
+            count += 1
+            fix = (
+                f"receivers catching up fail on it; remove {rel}: they then take the chain "
+                "(dcr compact --every K makes it anew)"
+            )
+            if (record.base.version, f"{record.version}.json") != (base, entry.name):
+                found.append(f"{rel} is the record of another shortcut ({record.base.version}..{record.version})")
+            for end in (record.base, record.target):
+                if committed.get(end.version) != end.fingerprint:
+                    found.append(
+                        f"{rel} names {end.version!r} with fingerprint {end.fingerprint[:16]}…, which is not a "
+                        "committed state (receivers ignore it)"
+                    )
+            name = f"{record.manifest}.json"
+            manifests.add(name)
+            if name not in manifest_names:
+                unavailable.append(f"{record.base.version}..{record.version}")
+            else:
+                try:
+                    manifest = parse_manifest(store.manifest_bytes(record))
+                except DcrError as exc:
+                    found.append(f"{rel}: {exc}; {fix}")
+                    manifest = None
+                if manifest is not None:
+                    if (manifest.base.fingerprint, manifest.target.fingerprint) != (
+                        record.base.fingerprint,
+                        record.target.fingerprint,
+                    ):
+                        found.append(f"the manifest of {rel} does not match its record; {fix}")
+                    for block in manifest.blocks:  # all of a shortcut's blocks precede its record
+                        referenced[block.id] = block.size
+                        if block.id not in blocks:
+                            found.append(f"block {block.id[:16]}… of {rel} is missing; {fix}")
+                        elif blocks[block.id] != block.size:
+                            found.append(
+                                f"block {block.id[:16]}… of {rel} has {blocks[block.id]} bytes, expected "
+                                f"{block.size}; {fix}"
+                            )
+            if found and store.exists(rel):
+                problems.extend(found)
+    return count, manifests, unavailable
 
 
 def _records(store: Store, problems: list[str]) -> dict[str, VersionRecord]:

@@ -19,6 +19,7 @@ Readers that do not know these records never look under ``keyframes/`` or ``shor
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import shutil
@@ -37,7 +38,7 @@ from ..delta.source import CHUNK_BYTES
 from ..delta.squash import UnsquashableError, squash
 from ..errors import ConflictError, DcrError, FormatError, IncompatibleError, IntegrityError
 from ..format.digest import StreamingDigest, is_digest
-from ..format.manifest import fingerprint, parse_manifest
+from ..format.manifest import BlockEntry, fingerprint, parse_manifest
 from ..format.store_records import SHORTCUT_KIND, SHORTCUTS
 from ..io.files import fsync_dir
 from .repo import MANIFESTS, STORE_MAJOR, STORE_MINOR, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
@@ -226,8 +227,16 @@ def publish_keyframe(
         raise DcrError(f"{url}: {version!r} is not a committed version; a keyframe is a committed state")
     held = checkpoint_fingerprint(checkpoint)
     if held != ref.fingerprint:
+        # Say what the checkpoint is, so the fix is in the line: most often it is another committed version
+        # and --version (default: the head) was left out or named the wrong one.
+        other = next((r.version for r in committed_order(store) if r.fingerprint == held), None)
+        hint = (
+            f"it holds committed version {other}: pass --version {other}"
+            if other is not None
+            else f"it holds no committed state of {url} (see dcr log {url})"
+        )
         raise IncompatibleError(
-            f"{checkpoint} holds fingerprint {held[:16]}…, not version {ref.version} ({ref.fingerprint[:16]}…)"
+            f"{checkpoint} holds fingerprint {held[:16]}…, not version {ref.version} ({ref.fingerprint[:16]}…); {hint}"
         )
     rel = f"{KEYFRAMES}/{ref.version}.json"
     existing = store.read_record(rel, KEYFRAME_KIND)
@@ -297,6 +306,9 @@ class JoinResult:
         return asdict(self)
 
 
+_JOIN_LOCK = ".lock"  # in the partial directory of a join, as in a pull's
+
+
 def join(
     url: str,
     out: str | os.PathLike[str],
@@ -315,26 +327,77 @@ def join(
     if dest.exists():
         raise ConflictError(f"{dest} already exists; choose a new -o or remove it")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
-        for f in frame.files:
-            local = partial / f.name
-            source = store.path(keyframe_object(frame.version, f))
-            try:
-                store.call(functools.partial(store.fs.get_file, source, str(local)), f"read {f.name}")
-            except FileNotFoundError:
-                raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
-            if local.stat().st_size != f.size or _file_digest(local) != f.digest:
-                raise IntegrityError(f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store")
-        if checkpoint_fingerprint(partial) != frame.fingerprint:
-            raise IntegrityError(f"{url}: keyframe {frame.version} does not hold its recorded fingerprint")
+    # One partial directory per output, as dcr pull's (store-v1 §4.2): a join killed part-way (SIGKILL, a
+    # reboot) leaves it, and the next join into the same -o keeps the files already downloaded whose size
+    # and BLAKE3 are the record's and fetches the rest. (A fresh temporary name per run left a whole
+    # checkpoint's worth of orphaned bytes behind each killed attempt, and started again from nothing.)
+    partial = dest.parent / f".{dest.name}.partial"
+    partial.mkdir(exist_ok=True)
+    with open(partial / _JOIN_LOCK, "a+b") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConflictError(f"another dcr pull is writing {dest}; wait for it to finish") from None
+        try:
+            if dest.exists():  # a concurrent join finished between our check and the lock
+                raise ConflictError(f"{dest} already exists; choose a new -o or remove it")
+            _fetch_keyframe(store, url, frame, partial)
+        except BaseException:
+            # Keep what a re-run can resume from (files verified before, say, a network error), but no
+            # empty directory: a refused keyframe (corrupt, wrong fingerprint) leaves nothing behind.
+            with contextlib.suppress(OSError):
+                if {p.name for p in partial.iterdir()} <= {_JOIN_LOCK}:
+                    (partial / _JOIN_LOCK).unlink()
+                    partial.rmdir()
+            raise
         fsync_dir(partial)
+        # Rename while holding the lock, then drop the lock file (now inside dest), as dcr pull does.
         os.rename(partial, dest)
         fsync_dir(dest.parent)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        with contextlib.suppress(FileNotFoundError):
+            (dest / _JOIN_LOCK).unlink()
     return JoinResult(url, frame.version, frame.fingerprint, str(dest), frame.bytes)
+
+
+def _fetch_keyframe(store: Store, url: str, frame: KeyframeRecord, partial: Path) -> None:
+    """Every file of ``frame`` in ``partial``, verified (size, BLAKE3, then the whole checkpoint's fingerprint);
+    files already there that verify are kept (an interrupted join), anything else there is removed."""
+    from .repo import ObjectBlockSource
+
+    wanted = {f.name for f in frame.files}
+    for stray in partial.iterdir():  # what another keyframe, or a killed pull of a delta, left here
+        if stray.name in wanted or stray.name == _JOIN_LOCK:
+            continue
+        if stray.is_dir() and not stray.is_symlink():
+            shutil.rmtree(stray)
+        else:
+            stray.unlink()
+    for f in frame.files:
+        local = partial / f.name
+        if local.is_file() and local.stat().st_size == f.size and _file_digest(local) == f.digest:
+            continue  # downloaded and verified by an earlier, interrupted join
+        # In bounded ranges, hashed as they arrive (one pass): an object larger than its record says is
+        # refused after reading at most its recorded size plus one byte, not downloaded whole first.
+        source = ObjectBlockSource(store, keyframe_object(frame.version, f))
+        try:
+            with open(local, "wb") as dst:
+                for chunk in source.chunks(BlockEntry(f.digest, f.size, "data")):
+                    dst.write(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+        except FileNotFoundError:
+            local.unlink(missing_ok=True)
+            raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
+        except IntegrityError:
+            local.unlink(missing_ok=True)
+            raise IntegrityError(
+                f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store (its size or BLAKE3 is "
+                "not its record's)"
+            ) from None
+    if checkpoint_fingerprint(partial) != frame.fingerprint:
+        for f in frame.files:  # each file is as recorded, the record is wrong: nothing here is worth resuming
+            (partial / f.name).unlink()
+        raise IntegrityError(f"{url}: keyframe {frame.version} does not hold its recorded fingerprint")
 
 
 # -- shortcuts ---------------------------------------------------------------------------------------------------------
@@ -475,6 +538,8 @@ class Plan:
     steps: list[Step]
     chain_bytes: int | None  # the plain chain's bytes (None: no chain from the receiver's version)
     keyframe_bytes: int | None  # the cheapest keyframe route's bytes, if any
+    chain_gone: str = ""  # what describe() says when a receiver has a version but no plain chain reaches the target
+    skipped: list[str] = field(default_factory=list)  # "base->target" of shortcuts left out: a data block is missing
 
     @property
     def bytes(self) -> int:
@@ -484,9 +549,11 @@ class Plan:
         parts = [
             f"{s.kind} {s.target}" if s.kind == "keyframe" else f"{s.kind} {s.base}->{s.target}" for s in self.steps
         ]
-        alt = [f"chain {self.chain_bytes} B" if self.chain_bytes is not None else "", ""]
+        alt = [f"chain {self.chain_bytes} B" if self.chain_bytes is not None else self.chain_gone, ""]
         if self.keyframe_bytes is not None:
             alt[1] = f"keyframe route {self.keyframe_bytes} B"
+        if self.skipped:
+            alt.append(f"skipped shortcut {', '.join(self.skipped)}: a block is missing from the store (see dcr check)")
         others = ", ".join(a for a in alt if a)
         return f"path: {' + '.join(parts) or 'nothing to fetch'} ({self.bytes} B; {others or 'no other path'})"
 
@@ -515,17 +582,25 @@ def plan(
         check_label(since, "--since version")
         if since not in pos or pos[since] > end:
             raise DcrError(f"{url}: {since!r} is not a committed version before {target.version!r} (see dcr log)")
+    by_fp = {r.version: r.fingerprint for r in order}  # the committed states: genesis, then the chain
     edges: list[Step] = []
     for i in range(1, end + 1):
         record = target if names[i] == target.version else store.require_version(names[i])
         if store.exists(f"{MANIFESTS}/{record.manifest}.json"):  # gc removes old versions' manifests
             edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
     for s in shortcuts(store):
-        b, t = s.record.base.version, s.record.version
-        if b in pos and t in pos and pos[b] < pos[t] <= end and store.exists(f"{MANIFESTS}/{s.record.manifest}.json"):
-            edges.append(Step("shortcut", b, t, s.record.payload_bytes, record=s.record))
+        b, t = s.record.base, s.record.target
+        # A shortcut joins two committed states (§6.2): by their fingerprints, not only their labels, as a
+        # keyframe is matched. One that names a committed label with another state (a hostile or damaged
+        # record) is no route: taking it would leave a receiver "at" the label holding other bits.
+        committed_ends = by_fp.get(b.version) == b.fingerprint and by_fp.get(t.version) == t.fingerprint
+        if (
+            committed_ends
+            and pos[b.version] < pos[t.version] <= end
+            and store.exists(f"{MANIFESTS}/{s.record.manifest}.json")
+        ):
+            edges.append(Step("shortcut", b.version, t.version, s.record.payload_bytes, record=s.record))
     frames = keyframes(store) if allow_keyframe or since is None else {}
-    by_fp = {r.version: r.fingerprint for r in order}
 
     def cheapest(starts: dict[int, tuple[int, list[Step]]]) -> tuple[int, list[Step]] | None:
         best = dict(starts)
@@ -540,17 +615,33 @@ def plan(
                         best[j] = (cost + e.bytes, [*steps, e])
         return best.get(end)
 
-    chain_route = cheapest({pos[since]: (0, [])}) if since is not None else None
     starts = {
         pos[v]: (f.bytes, [Step("keyframe", None, v, f.bytes, frame=f)])
         for v, f in frames.items()
         if v in pos and pos[v] <= end and by_fp.get(v) == f.fingerprint
     }
-    frame_route = cheapest(starts) if starts else None
+    skipped: list[str] = []
+    while True:
+        chain_route = cheapest({pos[since]: (0, [])}) if since is not None else None
+        frame_route = cheapest(starts) if starts else None
+        chosen = [r for r in (chain_route, frame_route if allow_keyframe or since is None else None) if r]
+        if not chosen:
+            break
+        # A shortcut on the cheapest route whose data blocks are not all on the store (a damaged store,
+        # store-v1 §4.5) is no route: every lagging receiver would take it and fail. Asked only about the
+        # shortcuts a route would take, one question per block; then the next cheapest is chosen.
+        broken = [s for s in min(chosen, key=lambda r: r[0])[1] if s.kind == "shortcut" and not _present(store, s)]
+        if not broken:
+            break
+        skipped.extend(f"{s.base}->{s.target}" for s in broken)
+        edges = [e for e in edges if e not in broken]
     chain_only = None
     if since is not None:
-        plain = [e for e in edges if e.kind == "chain" and pos[e.base or ""] >= pos[since]]
-        chain_only = sum(e.bytes for e in plain)
+        # The plain chain's cost, only if it still reaches the target: a sum over the deltas gc left
+        # would quote a route that does not exist (and look cheaper than the one chosen).
+        plain = {pos[e.base or ""]: e for e in edges if e.kind == "chain" and pos[e.base or ""] >= pos[since]}
+        if all(i in plain for i in range(pos[since], end)):
+            chain_only = sum(e.bytes for e in plain.values())
     options = [r for r in (chain_route, frame_route if (allow_keyframe or since is None) else None) if r is not None]
     if not options:
         if since is not None:
@@ -560,7 +651,20 @@ def plan(
             )
         raise DcrError(f"{url}: no path reaches {target.version!r} without state; publish a keyframe first")
     _cost, steps = min(options, key=lambda r: r[0])
-    return Plan(steps, chain_only, frame_route[0] if frame_route else None)
+    gone = "no plain chain (deltas removed by gc)" if since is not None and chain_only is None else ""
+    return Plan(steps, chain_only, frame_route[0] if frame_route else None, gone, skipped)
+
+
+def _present(store: Store, step: Step) -> bool:
+    """Whether every data block of a shortcut's manifest is on the store with its size (its manifest intact)."""
+    assert step.record is not None
+    try:
+        manifest = parse_manifest(store.manifest_bytes(step.record))
+    except DcrError:
+        return False
+    data = [b for b in manifest.blocks if b.role == "data"]
+    found = stat_blocks(store, data, DEFAULT_WORKERS)
+    return all((entry := found[b.id]) is not None and entry.size == b.size for b in data)
 
 
 def pull_plan(

@@ -226,6 +226,8 @@ def poll(probe: Callable[[], T | None], deadline: float, what: str, on_wait: Cal
     """``probe()`` until it returns something, asked every POLL_S until ``deadline`` (time.monotonic);
     then NotReadyError (exit 4) saying ``what`` did not appear. ``on_wait(what)`` is called once, when
     the first answer is no (the caller is then ready and waiting)."""
+    if deadline != deadline:  # NaN (--wait nan): no comparison with it is ever true, so it waited for good
+        raise DcrError("--wait must be a number of seconds (0 or more; inf waits until it appears), not nan")
     while True:
         found = probe()
         if found is not None:
@@ -580,3 +582,16 @@ class StoreBlockSource(BlockSource):
             "still uploading repair blocks or was stopped after publishing; wait for it to finish, or re-run "
             f"dcr push DELTA {self.store.url}, then re-run"
         )
+
+
+class ObjectBlockSource(StoreBlockSource):
+    """One object of the store (``rel``) read as a block is: in bounded ranges, at most its recorded size plus one
+    byte, its BLAKE3 computed as the ranges arrive (``chunks``). Keyframe files are read so, by a join and by
+    ``dcr check --read-data`` (store-v1 §6.1)."""
+
+    def __init__(self, store: Store, rel: str) -> None:
+        super().__init__(store)
+        self.rel = rel
+
+    def read(self, block: BlockEntry, start: int, end: int) -> bytes:
+        return self.store.read_range(self.rel, start, end)

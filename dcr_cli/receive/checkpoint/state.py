@@ -49,7 +49,16 @@ class ReceiverState:
 
 
 def state_dir(root: Path) -> Path:
-    return root / STATE_DIR
+    """``CKPT/.dcr``, refused if it is a symbolic link: the lock, state and table written through one would
+    land outside the checkpoint (receiver-checkpoint §1, as for its files), and two checkpoints sharing one
+    would share a lock and overwrite each other's state."""
+    path = root / STATE_DIR
+    if path.is_symlink():
+        raise FormatError(
+            f"{path} is a symbolic link; dcr keeps a receiver's state inside its checkpoint directory: remove "
+            "the link and re-run (the version is then established by hashing)"
+        )
+    return path
 
 
 def ref(version: VersionRef) -> dict[str, str]:
@@ -244,7 +253,7 @@ def _locked(path: Path) -> int:
     while True:
         with explain_enospc(path.parent):
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a link would create its target
             except FileNotFoundError:  # the directory was just removed by an applier that recorded nothing
                 path.parent.mkdir(exist_ok=True)
                 continue
