@@ -9,7 +9,7 @@ import click
 from ..errors import DcrError
 from .common import emit_json, handle_errors, say
 from .store_options import parse_storage_options, storage_options
-from .vllm_cmd import VLLM_OPTION_HELP, apply_vllm
+from .vllm_cmd import VLLM_OPTION_HELP
 
 
 @click.command("apply")
@@ -74,7 +74,9 @@ def command(
     if vllm_url:
         if workers is not None:
             raise DcrError("--workers applies to --into: a vLLM engine applies on its own workers' threads")
-        apply_vllm(
+        from ..api import apply_vllm
+
+        engine = apply_vllm(
             deltas,
             vllm_url,
             version=version,
@@ -84,9 +86,11 @@ def command(
             verify=verify_after,
             ack=ack_url,
             receiver=receiver,
-            options=options,
-            as_json=as_json,
+            storage_options=options,
+            log=None if as_json else say,
         )
+        if as_json:
+            emit_json({"vllm": vllm_url, "steps": engine["steps"]})
         return
     assert into is not None
     result = apply(
