@@ -611,3 +611,25 @@ def test_push_takes_the_uploaders_blocks_as_present_but_checks_them_before_the_r
     with pytest.raises(ConflictError, match="vanished during the push"):
         push(d1, str(tmp_path / "gone"), fresh=uploader.uploaded)
     assert Store(str(tmp_path / "gone")).version("v1") is None
+
+
+def test_push_verify_remote_writes_a_damaged_manifest_again(
+    tmp_path: Path, deltas: tuple[list[Path], list[Path]], dcr
+) -> None:
+    """A published version whose manifest the store damaged: a plain re-push leaves it (it is there), the
+    re-push with --verify-remote writes it again (review8: it said 'already published' and left it)."""
+    _, (d1, *_) = deltas
+    url = str(tmp_path / "store")
+    push(d1, url)
+    manifest = tmp_path / "store" / "manifests" / f"{Delta.open(d1).id}.json"
+    good = manifest.read_bytes()
+    manifest.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(IntegrityError, match="corrupt"):
+        open_delta(url, "v1")
+
+    assert not push(d1, url).manifest_restored  # present: a plain re-push does not read it
+    proc = dcr("push", str(d1), url, "--verify-remote", check=True)
+    assert "wrote its damaged manifest again" in proc.stderr + proc.stdout
+    assert manifest.read_bytes() == good
+    assert open_delta(url, "v1").id == Delta.open(d1).id
+    assert check(url, read_data=True).ok

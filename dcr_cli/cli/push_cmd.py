@@ -70,8 +70,10 @@ def command(
     if as_json:
         emit_json(result.to_json())
     elif result.already_published:
-        restored = f"; restored {result.uploaded_blocks} lost blocks" if result.uploaded_blocks else ""
-        say(f"{url}: version {result.version} was already published with this delta{restored}")
+        restored = [f"uploaded {result.uploaded_blocks} blocks it lacked"] if result.uploaded_blocks else []
+        restored += ["wrote its damaged manifest again"] if result.manifest_restored else []
+        said = f"; {' and '.join(restored)}" if restored else ""
+        say(f"{url}: version {result.version} was already published with this delta{said}")
     else:
         refreshed = (
             f", {result.refreshed_blocks} of them written again so that gc keeps them"

@@ -158,6 +158,7 @@ class PushResult:
     published_s: float = 0.0  # from the start of the push until the version was visible (receivers may start)
     repair_s: float = 0.0  # the repair blocks' upload, after publication
     repair_pending: bool = False  # True only in what on_published is given: repair blocks still follow
+    manifest_restored: bool = False  # verify_remote: the store's copy of the manifest was damaged, written again
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -273,7 +274,11 @@ def push(
     uploader.upload(refreshed, counted=True)  # progress was counted with the present blocks
 
     raw = source.raw_manifest()  # IntegrityError if it changed while the blocks went up
-    if existing is None or not store.exists(f"{MANIFESTS}/{source.id}.json"):
+    manifest_restored = existing is not None and (
+        not store.exists(f"{MANIFESTS}/{source.id}.json") or (verify_remote and _damaged_manifest(store, existing))
+    )
+    if existing is None or manifest_restored:
+        # Content-addressed: the name says which bytes are right, so a damaged copy is simply written again.
         store.put(f"{MANIFESTS}/{source.id}.json", raw)
 
     if existing is None:
@@ -311,6 +316,7 @@ def push(
         repair_blocks=len(repair_blocks),
         published_s=published_s,
         repair_pending=bool(repair_blocks),
+        manifest_restored=manifest_restored,
     )
     if on_published is not None:
         on_published(replace(result))
@@ -836,6 +842,15 @@ def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bo
         label=label,
         manifest_path=store.path(rel),
     )
+
+
+def _damaged_manifest(store: Store, record: VersionRecord) -> bool:
+    """Whether the store's copy of a published version's manifest fails the digest its record names."""
+    try:
+        store.manifest_bytes(record)
+    except IntegrityError:
+        return True
+    return False
 
 
 def open_delta(
