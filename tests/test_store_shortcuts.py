@@ -18,7 +18,7 @@ from store_fixtures import commit_each, make_deltas, one_error_line, run_dcr, wr
 
 import dcr_cli
 from dcr_cli.delta.reader import Delta
-from dcr_cli.errors import DcrError, IntegrityError
+from dcr_cli.errors import IntegrityError
 from dcr_cli.format.digest import digest_bytes
 from dcr_cli.format.manifest import BlockEntry, parse_manifest
 from dcr_cli.produce import diff
@@ -106,8 +106,12 @@ def test_the_path_line_quotes_no_chain_that_gc_broke(tmp_path: Path) -> None:
     assert broken.chain_bytes is None
     assert "no plain chain (deltas removed by gc)" in broken.describe()
     # From v0 only the keyframe route is left; the line must not quote v4's delta as "the chain".
-    line = run_dcr("pull", url, "--since", "v0", "-o", str(tmp_path / "p")).stdout.splitlines()[0]
+    line = plan(url, "v0").describe()
     assert line.startswith("path: keyframe v1 + shortcut v1->v3 + chain v3->v4") and "; chain " not in line, line
+    # dcr pull --since writes deltas only (a keyframe replaces the checkpoint: dcr pull --join), as apply does.
+    line = one_error_line(run_dcr("pull", url, "--since", "v0", "-o", str(tmp_path / "p")))
+    assert "no path from v0" in line and "dcr pull --join" in line, line
+    assert not (tmp_path / "p").exists()
     assert one_error_line(
         run_dcr("apply", url, "--since", "v0", "--into", str(copy_checkpoint(ckpts[0], tmp_path / "r")))
     )
@@ -206,8 +210,8 @@ def test_the_python_api_publishes_keyframes_joins_and_catches_up_as_the_cli_does
     dcr_cli.publish_keyframe(url, ckpts[1], version="v1")
     assert dcr_cli.compact(url, every=2).published == ["v1..v3"]
     dcr_cli.gc(url, keep=1, grace_s=0)  # the chain from v1 is gone: only the shortcut route is left
-    with pytest.raises(DcrError, match="gone"):
-        dcr_cli.pull_since(url, "v1", tmp_path / "plain")  # the plain chain (the CLI's --since takes the route)
+    pulled = dcr_cli.pull_since(url, "v1", tmp_path / "since")  # the route, as dcr pull --since takes it
+    assert [(r.kind, r.base, r.version) for r in pulled] == [("shortcut", "v1", "v3"), ("chain", "v3", "v4")]
     route = dcr_cli.plan(url, "v1")
     written = dcr_cli.pull_plan(url, route, tmp_path / "route")
     assert [Path(p).name for p in written] == ["shortcut-v1-v3", "v4"]

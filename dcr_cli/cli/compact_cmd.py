@@ -68,55 +68,18 @@ def command(
         emit_json(out)
 
 
-def catch_up_pull(
-    url: str,
-    out: str,
-    since: str | None,
-    version: str | None,
-    join: bool,
-    options: dict[str, Any],
-    workers: int,
-    repair: bool,
-    limit_rate: float | None,
-    as_json: bool,
-) -> bool:
-    """``dcr pull --join`` and ``dcr pull --since`` on a store with keyframes or shortcuts; False: a plain chain."""
+def join_pull(url: str, out: str, since: str | None, options: dict[str, Any], as_json: bool) -> None:
+    """``dcr pull --join``: the newest keyframe as the checkpoint directory ``out``."""
     from ..errors import DcrError
-    from ..store import Store
-    from ..store.keyframes import KEYFRAMES, SHORTCUTS, plan, pull_plan
     from ..store.keyframes import join as join_store
 
-    if join:
-        if since is not None:
-            raise DcrError("--join (no state) and --since VERSION exclude each other")
-        joined = join_store(url, out, storage_options=options)
-        if as_json:
-            emit_json(joined.to_json())
-        else:
-            say(
-                f"{joined.path}: joined at keyframe {joined.version} ({human_bytes(joined.bytes)}), fingerprint "
-                f"verified; follow with: dcr apply {url} --since {joined.version} --into {joined.path}"
-            )
-        return True
-    assert since is not None
-    store = Store(url, options)
-    if not store.list(KEYFRAMES) and not store.list_dirs(SHORTCUTS):
-        return False
-    chosen = plan(url, since, version, storage_options=options)
-    if all(s.kind == "chain" for s in chosen.steps):
-        if not as_json:
-            say(chosen.describe())
-        return False
-    written = pull_plan(
-        url, chosen, out, storage_options=options, workers=workers, repair=repair, limit_rate=limit_rate
-    )
+    if since is not None:
+        raise DcrError("--join (no state) and --since VERSION exclude each other")
+    joined = join_store(url, out, storage_options=options)
     if as_json:
-        steps = [{"kind": s.kind, "base": s.base, "target": s.target, "bytes": s.bytes} for s in chosen.steps]
-        emit_json({"path": steps, "bytes": chosen.bytes, "chain_bytes": chosen.chain_bytes, "written": written})
-        return True
-    say(chosen.describe())
-    for path in written:
-        say(f"{path}: verified")
-    if any(s.kind == "keyframe" for s in chosen.steps):
-        say(f"the keyframe replaces the receiver's checkpoint; then apply the deltas under {out}")
-    return True
+        emit_json(joined.to_json())
+    else:
+        say(
+            f"{joined.path}: joined at keyframe {joined.version} ({human_bytes(joined.bytes)}), fingerprint "
+            f"verified; follow with: dcr apply {url} --since {joined.version} --into {joined.path}"
+        )

@@ -17,7 +17,8 @@ from .store_options import parse_rate, parse_storage_options, storage_options
 @click.option(
     "--since",
     metavar="VERSION",
-    help="Fetch every delta a receiver at VERSION needs, as OUTPUT/<version>, in apply order.",
+    help="Fetch the deltas a receiver at VERSION applies (the cheapest route: chain and shortcuts), in apply "
+    "order, as OUTPUT/<version> and OUTPUT/shortcut-<base>-<target>.",
 )
 @click.option(
     "--join",
@@ -47,21 +48,22 @@ def command(
 ) -> None:
     """Download a version from the store at URL; every byte is verified before OUTPUT appears.
 
-    With --since, fetch the chain of deltas a lagging receiver needs.
+    With --since, fetch the deltas a lagging receiver needs, along the route dcr apply --since takes.
     """
     from ..store import pull, pull_since
 
     options = parse_storage_options(storage_option)
-    if join or since is not None:  # keyframes and shortcuts (store/keyframes.py); plain chains as before
-        from .compact_cmd import catch_up_pull
+    if join:  # a receiver with no state: the newest keyframe (store/keyframes.py)
+        from .compact_cmd import join_pull
 
-        if catch_up_pull(url, out, since, version, join, options, workers, repair, parse_rate(limit_rate), as_json):
-            return
+        join_pull(url, out, since, options, as_json)
+        return
     common: dict[str, Any] = dict(storage_options=options, workers=workers, limit_rate=parse_rate(limit_rate))
     with sized_progress("pull", progress) as (on_total, advance):
         common.update(progress=advance, on_total=on_total, repair=repair)
         if since is not None:
-            results = pull_since(url, since, out, version=version, **common)
+            # The route apply --since takes (the chain and the store's shortcuts, no keyframe); its path line first.
+            results = pull_since(url, since, out, version=version, log=None if as_json else say, **common)
         else:
             results = [pull(url, out, version=version, **common)]
     if as_json:
@@ -70,10 +72,11 @@ def command(
     if not results:
         say(f"{url}: nothing to fetch; a receiver at {since} is up to date")
     for r in results:
+        what = f"{r.version} (base {r.base})" if r.kind == "chain" else f"shortcut {r.base}->{r.version}"
         if r.already_present:
-            say(f"{r.path}: already holds {r.version}")
+            say(f"{r.path}: already holds {what}")
         else:
             say(
-                f"{r.path}: {r.version} (base {r.base}) verified; downloaded {r.downloaded_blocks} blocks "
+                f"{r.path}: {what} verified; downloaded {r.downloaded_blocks} blocks "
                 f"({human_bytes(r.downloaded_bytes)}), reused {r.reused_blocks}"
             )

@@ -8,10 +8,11 @@ The names below are the package's API; none of them is also the name of one of i
 
 from .audit import CheckResult, check
 from .collect import GcResult, gc
+from .keyframes import pull_since
 from .ledger import CommitResult, VersionInfo, acknowledge, commit, committed_base, log, status
 from .repo import Ref, Store, VersionRecord
 from .streaming import BlockUploader
-from .transfer import PullResult, PushResult, is_store, open_delta, open_version, pull, pull_since, push
+from .transfer import PullResult, PushResult, is_store, open_delta, open_version, pull, push
 
 __all__ = [
     "BlockUploader",

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,12 @@ from .repo import MANIFESTS, STORE_MAJOR, STORE_MINOR, Listing, Ref, Store, Vers
 from .transfer import (
     DEFAULT_WORKERS,
     REFRESH_S,
+    Progress,
+    PullResult,
     RateLimit,
+    Total,
     _pull_record,
+    _transfer_bytes,
     _Uploader,
     _written_before,
     check_repairs,
@@ -667,6 +671,69 @@ def _present(store: Store, step: Step) -> bool:
     return all((entry := found[b.id]) is not None and entry.size == b.size for b in data)
 
 
+def step_directory(step: Step) -> str:
+    """The name a fetched step gets under the output directory: ``<target>`` for a version's own delta,
+    ``shortcut-<base>-<target>`` for a shortcut, ``keyframe-<version>`` for a keyframe's checkpoint."""
+    if step.kind == "keyframe":
+        return f"keyframe-{step.target}"
+    return step.target if step.kind == "chain" else f"shortcut-{step.base}-{step.target}"
+
+
+def _pull_steps(
+    store: Store,
+    steps: list[Step],
+    out_dir: Path,
+    workers: int,
+    progress: Progress | None,
+    limiter: RateLimit | None,
+    repair: bool,
+) -> list[PullResult]:
+    """Fetch these delta steps (chain or shortcut) into ``out_dir``, in order, each as a pull writes a version
+    (verified, resumable, under its own lock). With ``repair`` the caller has asked about every step's repair
+    blocks first (:func:`check_repairs`), before anything was written."""
+    out: list[PullResult] = []
+    for s in steps:
+        assert s.record is not None and s.kind != "keyframe"
+        pulled = _pull_record(
+            store, s.record, out_dir / step_directory(s), workers, progress, limiter, repair, repairs_checked=True
+        )
+        out.append(replace(pulled, kind=s.kind))
+    return out
+
+
+def pull_since(
+    url: str,
+    since: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    version: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    workers: int = DEFAULT_WORKERS,
+    progress: Progress | None = None,
+    on_total: Total | None = None,
+    limit_rate: float | None = None,
+    repair: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> list[PullResult]:
+    """Download the deltas a receiver at committed ``since`` applies to reach ``version`` (default: the tip),
+    in apply order: the cheapest route by bytes among the chain and the store's shortcuts, as
+    ``apply(url, since=...)`` takes it (:func:`plan` without keyframes: a pull writes deltas). A version's
+    delta lands in ``out_dir/<version>``, a shortcut in ``out_dir/shortcut-<base>-<target>``; each is
+    verified before it appears, and a re-run keeps what is complete. ``log`` is told the route chosen
+    (the ``path: …`` line); ``on_total`` the bytes ``progress`` will count, before any is fetched."""
+    chosen = plan(url, since, version, allow_keyframe=False, storage_options=storage_options)
+    if log is not None:
+        log(chosen.describe())
+    store = Store(url, storage_options)
+    records = [s.record for s in chosen.steps if s.record is not None]
+    if repair:  # before anything is written: a pull that cannot finish starts nothing
+        check_repairs(store, records, workers)
+    if on_total is not None:
+        on_total(_transfer_bytes(records, repair))
+    limiter = RateLimit(limit_rate) if limit_rate else None
+    return _pull_steps(store, chosen.steps, Path(out_dir), workers, progress, limiter, repair)
+
+
 def pull_plan(
     url: str,
     the_plan: Plan,
@@ -677,27 +744,22 @@ def pull_plan(
     repair: bool = False,
     limit_rate: float | None = None,
 ) -> list[str]:
-    """Fetch a plan's steps into ``out_dir``: ``keyframe-<v>/`` (a checkpoint) and one delta per step."""
+    """Fetch a plan's steps into ``out_dir`` (names: :func:`step_directory`): a keyframe's checkpoint, then
+    the deltas (as :func:`pull_since` fetches them)."""
     store = Store(url, storage_options)
-    if repair:  # before anything is written
-        check_repairs(store, [s.record for s in the_plan.steps if s.record is not None], workers)
+    deltas = [s for s in the_plan.steps if s.kind != "keyframe"]
+    if repair:  # before anything is written, the keyframe included
+        check_repairs(store, [s.record for s in deltas if s.record is not None], workers)
     limiter = RateLimit(limit_rate) if limit_rate else None
     written: list[str] = []
     for s in the_plan.steps:
         if s.kind == "keyframe":
             assert s.frame is not None
             written.append(
-                join(url, Path(out_dir) / f"keyframe-{s.target}", storage_options=storage_options, frame=s.frame).path
+                join(url, Path(out_dir) / step_directory(s), storage_options=storage_options, frame=s.frame).path
             )
-            continue
-        assert s.record is not None
-        name = s.target if s.kind == "chain" else f"shortcut-{s.base}-{s.target}"
-        written.append(
-            _pull_record(
-                store, s.record, Path(out_dir) / name, workers, None, limiter, repair, repairs_checked=True
-            ).path
-        )
-    return written
+    pulled = _pull_steps(store, deltas, Path(out_dir), workers, None, limiter, repair)
+    return written + [r.path for r in pulled]
 
 
 def open_plan(url: str, the_plan: Plan, *, storage_options: dict[str, Any] | None = None) -> list[Delta]:

@@ -526,30 +526,6 @@ def resolve(store: Store, version: str | None) -> VersionRecord:
     return store.require_version(version) if version else tip(store)
 
 
-def chain_between(store: Store, since: str, until: str | None) -> list[VersionRecord]:
-    """The versions a receiver holding ``since`` applies, in order, to reach ``until`` (default: the tip)."""
-    check_label(since, "--since version")
-    if not store.is_committed(since):
-        raise DcrError(
-            f"{store.url}: {since!r} is not a committed version; a receiver can only catch up from a committed "
-            "state (see dcr log)"
-        )
-    names = [c.version for c in store.commits_after(since)]
-    head = names[-1] if names else since
-    target = resolve(store, until)
-    if target.version == since:
-        names = []
-    elif target.version in names:
-        names = names[: names.index(target.version) + 1]
-    elif target.base.version == head:
-        names.append(target.version)
-    else:
-        raise DcrError(
-            f"{store.url}: {target.version!r} cannot be reached from {since!r} (it is older, or stale: see dcr log)"
-        )
-    return [store.require_version(name) for name in names]
-
-
 # -- pull --------------------------------------------------------------------------------------------------------------
 
 
@@ -567,6 +543,7 @@ class PullResult:
     reused_blocks: int
     reused_bytes: int
     already_present: bool
+    kind: str = "chain"  # "chain": the version's own delta; "shortcut": a squashed delta from base (store-v1 §6.2)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -600,34 +577,6 @@ def pull(
 
 def _transfer_bytes(records: list[VersionRecord], repair: bool) -> int:
     return sum(r.payload_bytes + (r.repair_bytes if repair else 0) for r in records)
-
-
-def pull_since(
-    url: str,
-    since: str,
-    out_dir: str | os.PathLike[str],
-    *,
-    version: str | None = None,
-    storage_options: dict[str, Any] | None = None,
-    workers: int = DEFAULT_WORKERS,
-    progress: Progress | None = None,
-    on_total: Total | None = None,
-    limit_rate: float | None = None,
-    repair: bool = False,
-) -> list[PullResult]:
-    """Download every delta a receiver at ``since`` needs, as ``out_dir/<version>``, in apply order."""
-    store = Store(url, storage_options)
-    store.require_marker()
-    records = chain_between(store, since, version)
-    if repair:
-        check_repairs(store, records, workers)
-    if on_total is not None:
-        on_total(_transfer_bytes(records, repair))
-    limiter = RateLimit(limit_rate) if limit_rate else None
-    return [
-        _pull_record(store, r, Path(out_dir) / r.version, workers, progress, limiter, repair, repairs_checked=True)
-        for r in records
-    ]
 
 
 def check_repairs(store: Store, records: list[VersionRecord], workers: int = DEFAULT_WORKERS) -> None:

@@ -1,0 +1,87 @@
+"""``dcr pull --since V`` and ``dcr_cli.pull_since`` fetch the route ``dcr apply URL --since V`` takes
+(store-v1 §6.3: the cheapest by bytes among the chain and the store's shortcuts; no keyframe, since a pull
+writes deltas), in apply order, resumable, one line per delta and a ``--json`` list of what was pulled.
+Before, ``pull_since`` followed the plain chain only (three deltas where one shortcut and one delta do,
+and nothing at all once gc had removed the chain's deltas), and the CLI took a second route finder that
+could fetch a keyframe in place of the receiver's checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers_checkpoints import copy_checkpoint, read_raw
+from store_fixtures import commit_each, json_out, make_deltas, one_error_line, run_dcr
+
+import dcr_cli
+from dcr_cli.delta.reader import Delta
+from dcr_cli.store import gc
+from dcr_cli.store.keyframes import compact, plan, publish_keyframe
+
+
+def _store(tmp: Path, url: str, opts: dict[str, Any]) -> list[Path]:
+    """v1..v4 committed on ``url``, a keyframe at v1 and the shortcut v1 -> v3; the checkpoints c0..c4."""
+    ckpts, deltas = make_deltas(tmp, 4)
+    commit_each(url, deltas, storage_options=opts)
+    publish_keyframe(url, ckpts[1], version="v1", storage_options=opts)
+    assert compact(url, every=2, storage_options=opts).published == ["v1..v3"]
+    return ckpts
+
+
+@pytest.mark.parametrize("store_url", ["local", "s3"], indirect=True)
+def test_pull_since_fetches_the_route_apply_takes_and_a_receiver_ends_bit_exact(
+    store_url: tuple[str, dict[str, Any], dict[str, str] | None], tmp_path: Path
+) -> None:
+    url, opts, env = store_url
+    ckpts = _store(tmp_path, url, opts)
+    route = plan(url, "v1", allow_keyframe=False, storage_options=opts)
+    assert [(s.kind, s.base, s.target) for s in route.steps] == [("shortcut", "v1", "v3"), ("chain", "v3", "v4")]
+    assert route.chain_bytes is not None and route.bytes < route.chain_bytes
+
+    # The Python API: the same steps, in apply order, each a verified delta directory.
+    lines: list[str] = []
+    pulled = dcr_cli.pull_since(url, "v1", tmp_path / "api", storage_options=opts, log=lines.append)
+    assert lines == [route.describe()]
+    assert [(r.kind, r.base, r.version) for r in pulled] == [("shortcut", "v1", "v3"), ("chain", "v3", "v4")]
+    assert [Path(r.path).name for r in pulled] == ["shortcut-v1-v3", "v4"]
+    assert [Delta.open(r.path).id for r in pulled] == [s.record.manifest for s in route.steps if s.record]
+    assert sum(r.downloaded_bytes for r in pulled) == route.bytes
+    recv = copy_checkpoint(ckpts[1], tmp_path / "recv-api")
+    for r in pulled:  # a receiver applying the pulled directories one by one, in the order given
+        dcr_cli.apply(r.path, into=recv, workers=1)
+    assert read_raw(recv) == read_raw(ckpts[4])
+
+    # The CLI: the path line, one line per delta, the same directories; a receiver applies them in order.
+    out = tmp_path / "cli"
+    proc = run_dcr("pull", url, "--since", "v1", "-o", str(out), "--no-progress", env=env)
+    assert proc.returncode == 0, proc.stderr
+    head, *per_delta = proc.stdout.splitlines()
+    assert head == route.describe()
+    assert [line.split(": ", 1)[1].split(" verified")[0] for line in per_delta] == ["shortcut v1->v3", "v4 (base v3)"]
+    assert sorted(p.name for p in out.iterdir()) == ["shortcut-v1-v3", "v4"]
+    recv = copy_checkpoint(ckpts[1], tmp_path / "recv-cli")
+    for name in ("shortcut-v1-v3", "v4"):
+        applied = run_dcr("apply", str(out / name), "--into", str(recv), env=env)
+        assert applied.returncode == 0, applied.stderr
+    assert read_raw(recv) == read_raw(ckpts[4])
+
+    # A re-run keeps what is complete and fetches the rest (a pull stopped after its first delta); --json
+    # lists what was pulled.
+    shutil.rmtree(out / "v4")
+    again = json_out(run_dcr("pull", url, "--since", "v1", "-o", str(out), "--json", env=env))
+    listed = [
+        (v["kind"], v["base"], v["version"], Path(v["path"]).name, v["already_present"]) for v in again["versions"]
+    ]
+    assert listed == [("shortcut", "v1", "v3", "shortcut-v1-v3", True), ("chain", "v3", "v4", "v4", False)]
+    assert Delta.open(out / "v4").id == route.steps[1].record.manifest  # type: ignore[union-attr]
+
+    # With the chain's deltas gone (gc), the shortcut route is the only one: pull --since still catches up.
+    gc(url, keep=1, grace_s=0, storage_options=opts)
+    late = dcr_cli.pull_since(url, "v1", tmp_path / "late", storage_options=opts)
+    assert [(r.kind, r.version) for r in late] == [("shortcut", "v3"), ("chain", "v4")]
+    # No keyframe route: a receiver at v0 is told to join (a pull writes deltas, never a checkpoint).
+    line = one_error_line(run_dcr("pull", url, "--since", "v0", "-o", str(tmp_path / "v0"), env=env))
+    assert "no path from v0" in line and "dcr pull --join" in line, line
+    assert not (tmp_path / "v0").exists()
