@@ -60,9 +60,10 @@ def command(
         result = compact(url, every=every, storage_options=options, workers=workers, log=None if as_json else say)
         out["shortcuts"] = result.to_json()
         if not as_json:
+            raced = f" ({len(result.raced)} published by another dcr compact meanwhile)" if result.raced else ""
             say(
                 f"{url}: {len(result.published)} shortcut(s) published from keyframe {result.keyframe}, "
-                f"{len(result.present)} already there"
+                f"{len(result.present)} already there{raced}"
             )
     if as_json:
         emit_json(out)

@@ -2,7 +2,8 @@
 
 Modules: ``backends`` (fsspec protocol -> capabilities), ``repo`` (layout, records, the Store),
 ``transfer`` (push, pull, reading a version in place), ``streaming`` (uploads during a diff),
-``ledger`` (acknowledgements, commits, status, log), ``collect`` (gc), ``audit`` (check).
+``ledger`` (acknowledgements, commits, status, log), ``collect`` (gc), ``audit`` (check), ``keyframes``
+(keyframes, shortcuts, the catch-up route and its pull).
 The names below are the package's API; none of them is also the name of one of its modules.
 """
 

@@ -440,7 +440,8 @@ class CompactResult:
     store: str
     keyframe: str
     published: list[str] = field(default_factory=list)  # "base..target"
-    present: list[str] = field(default_factory=list)
+    present: list[str] = field(default_factory=list)  # already there, those in ``raced`` included
+    raced: list[str] = field(default_factory=list)  # published by another dcr compact while this one squashed
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -508,16 +509,45 @@ def compact(
                 manifest = parse_manifest(raw)
                 record = version_record(manifest, digest, len(raw), Ref(frame.version, frame.fingerprint))
                 obj = {**record.to_json(), "format": SHORTCUT_KIND, "chain": names[:j]}
-                with contextlib.suppress(FileExistsError):
+                try:
                     store.create(f"{SHORTCUTS}/{frame.version}/{target}.json", dumps(obj))
-                result.published.append(label)
-                if log:
-                    log(f"shortcut {label}: {summary.payload_bytes} bytes for {j} versions")
+                except FileExistsError:  # another dcr compact published this shortcut meanwhile
+                    record = _raced_shortcut(store, record, names[:j], label)
+                    result.present.append(label)
+                    result.raced.append(label)
+                    if log:
+                        log(f"shortcut {label}: already published by another dcr compact meanwhile; kept that one")
+                else:
+                    result.published.append(label)
+                    if log:
+                        log(f"shortcut {label}: {summary.payload_bytes} bytes for {j} versions")
                 previous, done = _open_manifest(store, record, f"shortcut {label}", shortcut=True), j
         finally:
             if base_ckpt is not None:
                 base_ckpt.close()
     return result
+
+
+def _raced_shortcut(store: Store, ours: VersionRecord, chain: list[str], label: str) -> VersionRecord:
+    """The record a racing ``dcr compact`` created where ours was to go, if it is the same shortcut: the same
+    base and target states (labels and fingerprints) over the same chain; the squash may differ in bytes
+    (its manifest names its own creation time), not in the state it leads to. Anything else fails closed."""
+    rel = f"{SHORTCUTS}/{ours.base.version}/{ours.version}.json"
+    obj = store.read_record(rel, SHORTCUT_KIND)
+    if obj is None:
+        raise ConflictError(
+            f"{store.url}: shortcut {label} appeared and vanished while this dcr compact published it (a "
+            "concurrent dcr gc?); nothing was published — run dcr compact again"
+        )
+    winner = VersionRecord.from_json(obj, f"{store.url}/{rel}")
+    if (winner.base, winner.target, obj.get("chain")) != (ours.base, ours.target, chain):
+        raise ConflictError(
+            f"{store.url}: {rel} was created meanwhile by another writer with a different shortcut (base "
+            f"{winner.base.version} {winner.base.fingerprint[:16]}…, target {winner.target.version} "
+            f"{winner.target.fingerprint[:16]}…); this dcr compact published nothing — check the store (dcr check "
+            f"{store.url}) and remove that record if it is damaged, then run dcr compact again"
+        )
+    return winner
 
 
 def _reader(ckpt: SafetensorsCheckpoint) -> Callable[[str, np.ndarray], np.ndarray]:
