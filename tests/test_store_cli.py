@@ -189,3 +189,33 @@ def test_errors_are_one_line_and_never_show_credentials(s3_endpoint: S3Endpoint,
     not_a_store = run_dcr("status", str(tmp_path), "--json", env=env)
     assert not_a_store.returncode == 2 and "not a dcr store" in not_a_store.stderr
     assert json.loads("[]") == []
+
+
+def test_push_json_and_lines_say_what_a_re_run_did(tmp_path: Path) -> None:
+    """A re-run of dcr push on a published version says so in --json (``status``) as its text line does, and
+    no "published" line on stderr: before, the JSON of a no-op re-run had no status beside published_s, and
+    both forms printed "published v1 (repair blocks follow)" for a version this run did not publish."""
+    _, (d1,) = make_deltas(tmp_path, 1)
+    store = str(tmp_path / "store")
+    first = run_dcr("push", str(d1), store, "--json")
+    assert first.returncode == 0 and json.loads(first.stdout)["status"] == "published", first.stderr
+    assert "published v1 (repair blocks follow)" in first.stderr  # its repair blocks followed publication
+
+    again = run_dcr("push", str(d1), store, "--json")
+    report = json.loads(again.stdout)
+    assert (report["status"], report["already_published"], report["uploaded_blocks"]) == ("already_published", True, 0)
+    assert "published" not in again.stderr, again.stderr
+    text = run_dcr("push", str(d1), store)
+    assert text.stdout.strip() == f"{store}: version v1 was already published with this delta", text.stdout
+    assert "published v1" not in text.stderr, text.stderr
+
+    # A block the store lost: the re-run uploads it, and says that it completed the version, not published it.
+    repair = next(b for b in Delta.open(d1).manifest.blocks if b.role == "repair")
+    (Path(store) / "blocks" / repair.id).unlink()
+    filled = run_dcr("push", str(d1), store, "--json")
+    report = json.loads(filled.stdout)
+    assert (report["status"], report["already_published"], report["uploaded_blocks"]) == ("completed", True, 1)
+    assert "published" not in filled.stderr, filled.stderr
+    (Path(store) / "blocks" / repair.id).unlink()
+    text = run_dcr("push", str(d1), store)
+    assert text.stdout.strip().endswith("was already published with this delta; uploaded 1 blocks it lacked")

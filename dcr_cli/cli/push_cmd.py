@@ -51,7 +51,7 @@ def command(
     from ..store.transfer import PushResult
 
     def published(result: PushResult) -> None:
-        if result.repair_pending:
+        if result.repair_pending and not result.already_published:  # a re-run published nothing
             say(f"{url}: published {result.version} (repair blocks follow)", err=True)
 
     with sized_progress("push", progress) as (on_total, advance):

@@ -160,8 +160,17 @@ class PushResult:
     repair_pending: bool = False  # True only in what on_published is given: repair blocks still follow
     manifest_restored: bool = False  # verify_remote: the store's copy of the manifest was damaged, written again
 
+    @property
+    def status(self) -> str:
+        """What this push did: ``published`` (it created the version record), ``completed`` (the version was
+        already published with this delta; it uploaded blocks the store lacked or wrote its damaged manifest
+        again) or ``already_published`` (nothing was missing: a no-op)."""
+        if not self.already_published:
+            return "published"
+        return "completed" if self.uploaded_blocks or self.manifest_restored else "already_published"
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"status": self.status, **asdict(self)}
 
 
 def version_record(manifest: Manifest, manifest_id: str, manifest_size: int, base: Ref) -> VersionRecord:
