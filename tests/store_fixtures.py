@@ -375,6 +375,49 @@ class LoopbackProxy:
         self.server.close()
 
 
+class ResetReadsOf(LoopbackProxy):
+    """Resets every connection that asks for an object whose key ends with ``suffix`` (a transient fault)."""
+
+    def __init__(self, upstream: str, suffix: str) -> None:
+        self.request = f"GET /{suffix.lstrip('/')}".encode()
+        self.reset = 0
+        super().__init__(upstream)
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        if upstream and self.request in data:
+            self.reset += 1
+            raise ConnectionResetError  # the pump drops both sides: the client gets no answer
+
+
+def gc_stops_on_reset_reads(
+    endpoint: S3Endpoint, url: str, key: str, monkeypatch: pytest.MonkeyPatch, **gc_args: Any
+) -> ResetReadsOf:
+    """Run dcr gc on ``url`` through a proxy that resets every read of the object ``key`` (bucket/path),
+    with dcr's retries the only ones (2 attempts); assert that it stops (StoreUnavailable). Returns the
+    proxy (``reset``: how many reads it cut); ``monkeypatch`` is undone."""
+    import s3fs
+
+    from dcr_cli.io.retry import StoreUnavailable
+    from dcr_cli.store import gc
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retry loop off: dcr's decides
+    monkeypatch.setenv("DCR_STORE_ATTEMPTS", "2")
+    proxy = ResetReadsOf(endpoint.url, key)
+    try:
+        proxied = {
+            **endpoint.storage_options,
+            "endpoint_url": proxy.url,
+            "skip_instance_cache": True,
+            "config_kwargs": {"retries": {"max_attempts": 1}},
+        }
+        with pytest.raises(StoreUnavailable, match="still failing after 2 attempts"):
+            gc(url, storage_options=proxied, **gc_args)
+    finally:
+        proxy.close()
+        monkeypatch.undo()
+    return proxy
+
+
 class CountingProxy(LoopbackProxy):
     """Counts, per object key, requests and response bytes (response headers included)."""
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
 from store_fixtures import (
-    LoopbackProxy,
     S3Endpoint,
     count_store_questions,
     delta_to_tear,
+    gc_stops_on_reset_reads,
     half_writes_then_eio,
     make_deltas,
     one_error_line,
@@ -27,7 +27,6 @@ from store_fixtures import (
 from dcr_cli.api import apply
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.manifest import parse_manifest
-from dcr_cli.io.retry import StoreUnavailable
 from dcr_cli.store import Store, acknowledge, check, commit, gc, keyframes, push, repo
 from dcr_cli.store.keyframes import compact, join, open_plan, plan, publish_keyframe, shortcuts
 from dcr_cli.store.transfer import PushResult, split_roles
@@ -337,27 +336,11 @@ def test_gc_dry_run_says_which_shortcut_it_would_drop_and_drops_nothing(tmp_path
     assert _objects(store) == before
 
 
-class _ResetReadsOf(LoopbackProxy):
-    """Resets every connection that asks for an object whose key ends with ``suffix`` (a transient fault)."""
-
-    def __init__(self, upstream: str, suffix: str) -> None:
-        self.request = f"GET /{suffix.lstrip('/')}".encode()
-        self.reset = 0
-        super().__init__(upstream)
-
-    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
-        if upstream and self.request in data:
-            self.reset += 1
-            raise ConnectionResetError  # the pump drops both sides: the client gets no answer
-
-
 def test_gc_stops_on_a_transient_error_before_dropping_anything(
     s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A shortcut is dropped only on an answer that asking again cannot change, and only once every record
     has been read: here one shortcut's manifest is corrupt and reading the other's keeps failing."""
-    import s3fs
-
     opts = s3_endpoint.storage_options
     ckpts, _deltas = _committed_store(tmp_path, s3_url, opts)
     publish_keyframe(s3_url, ckpts[0], version="v0", storage_options=opts)
@@ -368,24 +351,10 @@ def test_gc_stops_on_a_transient_error_before_dropping_anything(
     store.put(f"manifests/{bad.record.manifest}.json", raw[:-1])  # truncated: unusable
     before = _objects(store)
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retry loop off: dcr's decides
-    monkeypatch.setenv("DCR_STORE_ATTEMPTS", "2")
     key = f"{s3_url.removeprefix('s3://')}/manifests/{flaky.record.manifest}.json"
-    proxy = _ResetReadsOf(s3_endpoint.url, key)
-    try:
-        proxied = {
-            **opts,
-            "endpoint_url": proxy.url,
-            "skip_instance_cache": True,
-            "config_kwargs": {"retries": {"max_attempts": 1}},
-        }
-        with pytest.raises(StoreUnavailable, match="still failing after 2 attempts"):
-            gc(s3_url, keep=1, grace_s=0, storage_options=proxied)
-    finally:
-        proxy.close()
+    proxy = gc_stops_on_reset_reads(s3_endpoint, s3_url, key, monkeypatch, keep=1, grace_s=0)
     assert proxy.reset >= 2
     assert _objects(store) == before  # nothing removed: not the corrupt shortcut either
-    monkeypatch.undo()
     # Asked again once the fault is gone, gc drops the corrupt shortcut and keeps the sound one's blocks.
     result = gc(s3_url, keep=1, grace_s=0, storage_options=opts)
     assert list(result.dropped_shortcuts) == ["v0..v2"]

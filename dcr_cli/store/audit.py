@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DcrError
 from ..format.manifest import BlockEntry, parse_manifest
-from ..format.store_records import SHORTCUT_KIND, SHORTCUTS
+from ..format.store_records import SHORTCUTS
 from .backends import TMP_PREFIX
 from .repo import (
     BLOCKS,
@@ -347,6 +347,8 @@ def _check_shortcuts(
 
     Returns (records read, the manifest file names they name, "<base>..<target>" of those whose manifest is
     absent). A finding is dropped if the record is gone when it is made: gc removed it meanwhile (§6.4)."""
+    from .keyframes import DamagedShortcut, read_shortcut
+
     committed = {genesis.version: genesis.fingerprint, **{c.target.version: c.target.fingerprint for c in chain}}
     count, manifests, unavailable = 0, set[str](), list[str]()
     for base in sorted(store.list_dirs(SHORTCUTS)):
@@ -356,13 +358,19 @@ def _check_shortcuts(
             rel = f"{SHORTCUTS}/{base}/{entry.name}"
             found: list[str] = []
             try:
-                obj = store.read_record(rel, SHORTCUT_KIND)
-                if obj is None:
-                    continue
-                record = VersionRecord.from_json(obj, f"{store.url}/{rel}")
+                shortcut = read_shortcut(store, rel)
+            except DamagedShortcut as exc:  # derived data: gc drops it, receivers leave it out meanwhile
+                problems.append(
+                    f"{exc} (a damaged shortcut record); receivers leave it out; dcr gc {store.url} drops it, "
+                    f"dcr compact {store.url} --every K makes it anew"
+                )
+                continue
             except DcrError as exc:
                 problems.append(f"{rel}: {exc}")
                 continue
+            if shortcut is None:
+                continue
+            record = shortcut.record
             count += 1
             fix = (
                 f"receivers catching up fail on it; remove {rel}: they then take the chain "

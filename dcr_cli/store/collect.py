@@ -26,6 +26,7 @@ from typing import Any
 
 from ..errors import DcrError, IntegrityError
 from ..format.manifest import parse_manifest
+from .backends import TMP_PREFIX
 from .repo import BLOCKS, MANIFESTS, VERSIONS, Listing, Store, VersionRecord, is_label
 
 DEFAULT_GRACE_S = 3600.0
@@ -109,7 +110,7 @@ class LiveSet:
     def _refresh_shortcuts(self) -> None:
         """A ``dcr compact`` running beside gc publishes its shortcut after uploading its blocks and
         manifest: the shortcut records are read again with the versions' (store-v1 §6.4)."""
-        from .keyframes import SHORTCUT_KIND, SHORTCUTS
+        from .keyframes import SHORTCUTS, DamagedShortcut, read_shortcut, shortcut_label
 
         unusable: list[str] = []
         for base in self.store.list_dirs(SHORTCUTS):
@@ -119,10 +120,17 @@ class LiveSet:
                 rel = f"{SHORTCUTS}/{base}/{entry.name}"
                 if not entry.name.endswith(".json") or rel in self.dropped_shortcuts or rel in self.read_shortcuts:
                     continue
-                obj = self.store.read_record(rel, SHORTCUT_KIND)
-                if obj is None:
+                if entry.name.startswith(TMP_PREFIX):  # a local store's record being written (create-only)
                     continue
-                record = VersionRecord.from_json(obj, f"{self.store.url}/{rel}")
+                try:
+                    shortcut = read_shortcut(self.store, rel)
+                except DamagedShortcut as exc:  # read whole, and no shortcut record: asking again changes nothing
+                    unusable.append(rel)
+                    self.unusable[shortcut_label(rel)] = f"its record is damaged ({exc})"
+                    continue
+                if shortcut is None:
+                    continue
+                record = shortcut.record
                 why = self._count_shortcut(record)
                 if why is None:
                     self.read_shortcuts.add(rel)

@@ -39,9 +39,23 @@ from ..delta.squash import UnsquashableError, squash
 from ..errors import ConflictError, DcrError, FormatError, IncompatibleError, IntegrityError
 from ..format.digest import StreamingDigest, is_digest
 from ..format.manifest import BlockEntry, fingerprint, parse_manifest
-from ..format.store_records import SHORTCUT_KIND, SHORTCUTS
+from ..format.store_records import SHORTCUT_KIND, SHORTCUTS, parse_record
+from ..format.strict_json import load_json
 from ..io.files import fsync_dir
-from .repo import MANIFESTS, STORE_MAJOR, STORE_MINOR, Listing, Ref, Store, VersionRecord, check_label, dumps, utc_now
+from .backends import TMP_PREFIX
+from .repo import (
+    MANIFESTS,
+    MAX_RECORD_BYTES,
+    STORE_MAJOR,
+    STORE_MINOR,
+    Listing,
+    Ref,
+    Store,
+    VersionRecord,
+    check_label,
+    dumps,
+    utc_now,
+)
 from .transfer import (
     DEFAULT_WORKERS,
     REFRESH_S,
@@ -153,21 +167,69 @@ def keyframes(store: Store) -> dict[str, KeyframeRecord]:
     return out
 
 
-def shortcuts(store: Store) -> list[Shortcut]:
+class DamagedShortcut(FormatError):
+    """A shortcut record whose bytes were read and are no shortcut record (store-v1 §6.4): derived data,
+    which dcr gc drops, dcr check reports and a receiver's route leaves out; dcr compact makes it anew."""
+
+
+def read_shortcut(store: Store, rel: str) -> Shortcut | None:
+    """The shortcut record at ``rel`` (None: absent). Bytes that are no shortcut record (not JSON, a field
+    missing or malformed, over the record size limit) raise DamagedShortcut; an answer asking again might
+    change (a read error) raises as it is, and so does a record of a store major this dcr does not read
+    (a newer dcr wrote it: upgrade, do not drop it)."""
+    where = f"{store.url}/{rel}"
+    try:
+        raw = store.read(rel, limit=MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return None
+    except FormatError as exc:  # read whole, and larger than any record
+        raise DamagedShortcut(str(exc)) from None
+    try:
+        obj = parse_record(raw, SHORTCUT_KIND, where)
+        record = VersionRecord.from_json(obj, where)
+        chain = obj.get("chain")
+        if not (isinstance(chain, list) and all(isinstance(c, str) for c in chain)):
+            raise FormatError(f"{where}: shortcut chain must be a list of versions")
+    except FormatError as exc:
+        if _newer_major(raw):
+            raise
+        raise DamagedShortcut(str(exc)) from None
+    return Shortcut(record, chain)
+
+
+def _newer_major(raw: bytes) -> bool:
+    try:
+        obj = load_json(raw, "record")
+    except FormatError:
+        return False
+    version = obj.get("format_version") if isinstance(obj, dict) else None
+    return isinstance(version, list) and bool(version) and isinstance(version[0], int) and version[0] != STORE_MAJOR
+
+
+def shortcut_label(rel: str) -> str:
+    """ "base..target" of the record ``shortcuts/<base>/<target>.json`` by its name (what it should hold)."""
+    _root, base, name = rel.split("/")
+    return f"{base}..{name.removesuffix('.json')}"
+
+
+def shortcuts(store: Store, damaged: dict[str, str] | None = None) -> list[Shortcut]:
+    """Every shortcut record of the store. A damaged one raises DamagedShortcut, or with ``damaged`` is left
+    out and noted there (its object name -> why)."""
     out: list[Shortcut] = []
     for base in store.list_dirs(SHORTCUTS):
         for entry in store.list(f"{SHORTCUTS}/{base}"):
-            if not entry.name.endswith(".json"):
+            if not entry.name.endswith(".json") or entry.name.startswith(TMP_PREFIX):
                 continue
             rel = f"{SHORTCUTS}/{base}/{entry.name}"
-            obj = store.read_record(rel, SHORTCUT_KIND)
-            if obj is None:
+            try:
+                shortcut = read_shortcut(store, rel)
+            except DamagedShortcut as exc:
+                if damaged is None:
+                    raise
+                damaged[rel] = str(exc)
                 continue
-            record = VersionRecord.from_json(obj, f"{store.url}/{rel}")
-            chain = obj.get("chain")
-            if not (isinstance(chain, list) and all(isinstance(c, str) for c in chain)):
-                raise FormatError(f"{store.url}/{rel}: shortcut chain must be a list of versions")
-            out.append(Shortcut(record, chain))
+            if shortcut is not None:
+                out.append(shortcut)
     return out
 
 
@@ -470,7 +532,12 @@ def compact(
         raise DcrError(f"{url}: no keyframe is published; publish one with dcr compact {url} --keyframe CHECKPOINT")
     names = [c.version for c in store.commits_after(frame.version)]
     result = CompactResult(url, frame.version)
-    have = {(s.record.base.version, s.record.version): s for s in shortcuts(store)}
+    damaged: dict[str, str] = {}
+    have = {(s.record.base.version, s.record.version): s for s in shortcuts(store, damaged)}
+    for j in range(every, len(names) + 1, every):  # a damaged record where this run publishes: refused first
+        rel = f"{SHORTCUTS}/{frame.version}/{names[j - 1]}.json"
+        if rel in damaged:
+            raise _damaged_in_the_way(store, rel, damaged[rel])
     # Squashing reads target values from the repair blocks, which a push uploads after publishing the
     # version (store-v1 §4.1): every version to squash must have them all before anything is written.
     start = 0
@@ -533,14 +600,17 @@ def _raced_shortcut(store: Store, ours: VersionRecord, chain: list[str], label: 
     base and target states (labels and fingerprints) over the same chain; the squash may differ in bytes
     (its manifest names its own creation time), not in the state it leads to. Anything else fails closed."""
     rel = f"{SHORTCUTS}/{ours.base.version}/{ours.version}.json"
-    obj = store.read_record(rel, SHORTCUT_KIND)
-    if obj is None:
+    try:
+        found = read_shortcut(store, rel)
+    except DamagedShortcut as exc:
+        raise _damaged_in_the_way(store, rel, str(exc)) from None
+    if found is None:
         raise ConflictError(
             f"{store.url}: shortcut {label} appeared and vanished while this dcr compact published it (a "
             "concurrent dcr gc?); nothing was published — run dcr compact again"
         )
-    winner = VersionRecord.from_json(obj, f"{store.url}/{rel}")
-    if (winner.base, winner.target, obj.get("chain")) != (ours.base, ours.target, chain):
+    winner = found.record
+    if (winner.base, winner.target, found.chain) != (ours.base, ours.target, chain):
         raise ConflictError(
             f"{store.url}: {rel} was created meanwhile by another writer with a different shortcut (base "
             f"{winner.base.version} {winner.base.fingerprint[:16]}…, target {winner.target.version} "
@@ -548,6 +618,13 @@ def _raced_shortcut(store: Store, ours: VersionRecord, chain: list[str], label: 
             f"{store.url}) and remove that record if it is damaged, then run dcr compact again"
         )
     return winner
+
+
+def _damaged_in_the_way(store: Store, rel: str, why: str) -> ConflictError:
+    return ConflictError(
+        f"{why} (a damaged shortcut record); this dcr compact published nothing — dcr gc {store.url} drops "
+        f"{rel} (dcr check lists it), then run dcr compact again"
+    )
 
 
 def _reader(ckpt: SafetensorsCheckpoint) -> Callable[[str, np.ndarray], np.ndarray]:
@@ -574,6 +651,7 @@ class Plan:
     keyframe_bytes: int | None  # the cheapest keyframe route's bytes, if any
     chain_gone: str = ""  # what describe() says when a receiver has a version but no plain chain reaches the target
     skipped: list[str] = field(default_factory=list)  # "base->target" of shortcuts left out: a data block is missing
+    damaged: list[str] = field(default_factory=list)  # "base..target" of shortcut records that do not parse
 
     @property
     def bytes(self) -> int:
@@ -588,6 +666,8 @@ class Plan:
             alt[1] = f"keyframe route {self.keyframe_bytes} B"
         if self.skipped:
             alt.append(f"skipped shortcut {', '.join(self.skipped)}: a block is missing from the store (see dcr check)")
+        if self.damaged:
+            alt.append(f"skipped damaged shortcut record {', '.join(self.damaged)} (see dcr check)")
         others = ", ".join(a for a in alt if a)
         return f"path: {' + '.join(parts) or 'nothing to fetch'} ({self.bytes} B; {others or 'no other path'})"
 
@@ -622,7 +702,8 @@ def plan(
         record = target if names[i] == target.version else store.require_version(names[i])
         if store.exists(f"{MANIFESTS}/{record.manifest}.json"):  # gc removes old versions' manifests
             edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
-    for s in shortcuts(store):
+    damaged: dict[str, str] = {}  # records that are no shortcut record: no route (dcr check reports them)
+    for s in shortcuts(store, damaged):
         b, t = s.record.base, s.record.target
         # A shortcut joins two committed states (§6.2): by their fingerprints, not only their labels, as a
         # keyframe is matched. One that names a committed label with another state (a hostile or damaged
@@ -686,7 +767,9 @@ def plan(
         raise DcrError(f"{url}: no path reaches {target.version!r} without state; publish a keyframe first")
     _cost, steps = min(options, key=lambda r: r[0])
     gone = "no plain chain (deltas removed by gc)" if since is not None and chain_only is None else ""
-    return Plan(steps, chain_only, frame_route[0] if frame_route else None, gone, skipped)
+    return Plan(
+        steps, chain_only, frame_route[0] if frame_route else None, gone, skipped, sorted(map(shortcut_label, damaged))
+    )
 
 
 def _present(store: Store, step: Step) -> bool:
@@ -813,7 +896,7 @@ def retained(store: Store) -> tuple[dict[str, int], set[str], list[str]]:
     needed: dict[str, int] = {}
     manifests: set[str] = set()
     drop: list[str] = []
-    for s in shortcuts(store):
+    for s in shortcuts(store, {}):  # a damaged record is the live set's to drop (collect.py), as it is read
         rel = f"{SHORTCUTS}/{s.record.base.version}/{s.record.version}.json"
         if newest is not None and s.record.base.version == newest.version:
             manifests.add(f"{s.record.manifest}.json")
