@@ -8,10 +8,8 @@ check every block before the engine is paused (receiver-vllm.md §7).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 from conftest import REPO, require_or_skip
@@ -19,7 +17,7 @@ from store_fixtures import CountingProxy, one_error_line
 
 require_or_skip("vllm")  # under CI a missing vLLM fails the run
 
-from vllm_support import engine_env, ensure_plugin_entry_point, train_run, vllm_server
+from vllm_support import get_json, qwen3_run, served
 
 from dcr_cli.delta.reader import Delta
 
@@ -28,9 +26,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    engine_env()
-    ensure_plugin_entry_point()
-    return train_run(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=False)
+    return qwen3_run(tmp_path_factory, "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +39,8 @@ def engine_proxy(s3_endpoint):
 @pytest.fixture(scope="module")
 def server(chain, s3_endpoint, engine_proxy, tmp_path_factory):
     env = {**s3_endpoint.env(), "FSSPEC_S3_ENDPOINT_URL": engine_proxy.url}
-    with vllm_server(chain[0], tmp_path_factory.mktemp("server") / "vllm.log", env=env) as url:
+    with served(chain[0], tmp_path_factory, env) as url:
         yield url
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.loads(r.read())
 
 
 def _engine_fetches(proxy: CountingProxy, since: dict) -> dict:
@@ -71,7 +62,7 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
     first = dcr("apply", s3_url, "--version", "step-1", "--vllm", server, "--ack", s3_url, "--receiver", "east",
                 *store, env=env, check=True)  # fmt: skip
     assert "vLLM engine at version step-1" in first.stdout and "acknowledged step-1 as 'east'" in first.stdout
-    assert _get(server + "/weight_info")["weight_version"] == "step-1"
+    assert get_json(server + "/weight_info")["weight_version"] == "step-1"
     fetched = _engine_fetches(engine_proxy, before)
     blocks = Delta.open(root / "d1").manifest.blocks
     assert {b.role for b in blocks} == {"data", "repair"}
@@ -92,14 +83,14 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
         assert waiting.stderr is not None
         line = waiting.stderr.readline()
         assert line.startswith("waiting up to 300 s for"), line
-        assert _get(server + "/weight_info")["weight_version"] == "step-1"  # nothing happens before the push
+        assert get_json(server + "/weight_info")["weight_version"] == "step-1"  # nothing happens before the push
         dcr("push", str(root / "d2"), s3_url, *store, env=env, check=True)
         out, err = waiting.communicate(timeout=300)
     finally:
         waiting.kill()
     assert waiting.returncode == 0, err
     assert "vLLM engine at version step-2" in out and "tensors of the vLLM engine match" in out, out
-    assert _get(server + "/weight_info")["weight_version"] == "step-2"
+    assert get_json(server + "/weight_info")["weight_version"] == "step-2"
 
     # 3. Fail closed, the engine untouched and serving: a version that is not published in time (exit 4),
     #    a version whose base the engine does not hold (exit 2), an option the engine has no use for.
@@ -111,8 +102,8 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
     assert behind.returncode == 2 and "dcr apply STORE --since step-2 --vllm URL" in one_error_line(behind)
     workers = dcr("apply", s3_url, "--vllm", server, "--workers", "2", *store, env=env)
     assert workers.returncode == 2 and "--workers" in one_error_line(workers)
-    assert not _get(server + "/is_paused")["is_paused"]
-    assert _get(server + "/weight_info")["weight_version"] == "step-2"
+    assert not get_json(server + "/is_paused")["is_paused"]
+    assert get_json(server + "/weight_info")["weight_version"] == "step-2"
 
     # 4. A data block damaged in the store: the engine's prepare finds it (its first pass reads the blocks as
     #    they arrive, and every block is checked whole before the pause), so the engine is never paused.
@@ -125,8 +116,8 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
     fs.pipe(key, good[:-1] + bytes([good[-1] ^ 1]))
     damaged = dcr("apply", s3_url, "--version", "step-3", "--vllm", server, *store, env=env)
     assert damaged.returncode == 2 and "corrupt" in one_error_line(damaged), damaged.stderr
-    assert not _get(server + "/is_paused")["is_paused"]
-    assert _get(server + "/weight_info")["weight_version"] == "step-2"
+    assert not get_json(server + "/is_paused")["is_paused"]
+    assert get_json(server + "/weight_info")["weight_version"] == "step-2"
     fs.pipe(key, good)
 
     # 5. A lagging engine catches up from its committed version by the store's cheapest path.

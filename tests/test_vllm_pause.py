@@ -18,7 +18,7 @@ from conftest import require_or_skip
 
 require_or_skip("vllm")
 
-from vllm_support import differing, engine_env, ensure_plugin_entry_point, resident_bits, start_llm, train_run
+from vllm_support import differing, qwen3_run, resident_bits, start_llm
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import ConflictError, IncompatibleError, IntegrityError
@@ -30,15 +30,9 @@ from dcr_cli.receive.vllm.client import InProcessEngine, apply_chain_to_engine, 
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _plugin() -> str:
-    engine_env()
-    return ensure_plugin_entry_point()
-
-
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return train_run(tmp_path_factory.mktemp("qwen3-pause"), "qwen3", tie=False)
+    return qwen3_run(tmp_path_factory, "qwen3-pause")
 
 
 class Recording(InProcessEngine):

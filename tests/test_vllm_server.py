@@ -15,27 +15,20 @@ from conftest import require_or_skip
 
 require_or_skip("vllm")  # under CI a missing vLLM fails the run
 
-from vllm_support import PROMPTS, engine_env, ensure_plugin_entry_point, greedy, start_llm, train_run, vllm_server
+from vllm_support import PROMPTS, get_json, greedy, qwen3_run, served, start_llm
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    engine_env()
-    ensure_plugin_entry_point()
-    return train_run(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=False)
+    return qwen3_run(tmp_path_factory, "qwen3")
 
 
 @pytest.fixture(scope="module")
 def server(qwen3, tmp_path_factory):
-    with vllm_server(qwen3[0], tmp_path_factory.mktemp("server") / "vllm.log") as url:
+    with served(qwen3[0], tmp_path_factory) as url:
         yield url
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.loads(r.read())
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
@@ -59,8 +52,8 @@ def test_dcr_apply_and_verify_against_a_vllm_server(server, qwen3, dcr):
     # Given out of order: dcr orders the chain by base -> target.
     applied = dcr("apply", str(root / "d3"), str(root / "d1"), str(root / "d2"), "--vllm", server, check=True)
     assert applied.stdout.count("vLLM engine at version") == 3, applied.stdout
-    assert _get(server + "/weight_info")["weight_version"] == "step-3"
-    assert not _get(server + "/is_paused")["is_paused"]
+    assert get_json(server + "/weight_info")["weight_version"] == "step-3"
+    assert not get_json(server + "/is_paused")["is_paused"]
 
     verified = dcr("verify", "--vllm", server, check=True)
     assert verified.stdout.startswith("ok: 25 tensors")

@@ -281,11 +281,9 @@ def test_a_failing_resume_after_a_refusal_keeps_the_reason_and_says_paused() -> 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     require_or_skip("vllm")
-    from vllm_support import engine_env, ensure_plugin_entry_point, train_run
+    from vllm_support import qwen3_run
 
-    engine_env()
-    ensure_plugin_entry_point()
-    return train_run(tmp_path_factory.mktemp("qwen3-session"), "qwen3", tie=False, steps=2)
+    return qwen3_run(tmp_path_factory, "qwen3-session", steps=2)
 
 
 @pytest.mark.vllm
@@ -331,9 +329,9 @@ def test_real_engine_interrupted_client_retry_and_failed_finish(qwen3: list[Path
 @pytest.fixture(scope="module")
 def server(qwen3: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend."""
-    from vllm_support import vllm_server
+    from vllm_support import served
 
-    with vllm_server(qwen3[0], tmp_path_factory.mktemp("server") / "vllm.log") as url:
+    with served(qwen3[0], tmp_path_factory) as url:
         yield url
 
 

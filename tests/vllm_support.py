@@ -21,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import tomllib
 
@@ -162,3 +163,25 @@ def train_run(root: Path, arch: str, tie: bool, steps: int = 3) -> list[Path]:
     for i in range(steps):
         diff(paths[i], paths[i + 1], root / f"d{i + 1}", base_version=f"step-{i}", target_version=f"step-{i + 1}")
     return paths
+
+
+def qwen3_run(tmp_path_factory: Any, name: str, steps: int = 3) -> list[Path]:
+    """The preamble of the tests that run a tiny Qwen3 in vLLM: the engine's environment and dcr's plugin
+    entry point set up, then ``train_run`` of an untied Qwen3 under a fresh temporary directory ``name``
+    (checkpoints step-0..N beside deltas d1..dN)."""
+    engine_env()
+    ensure_plugin_entry_point()
+    return train_run(tmp_path_factory.mktemp(name), "qwen3", tie=False, steps=steps)
+
+
+@contextlib.contextmanager
+def served(model_dir: Path, tmp_path_factory: Any, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``vllm_server`` of ``model_dir`` with its log in a fresh temporary directory; yields its URL."""
+    with vllm_server(model_dir, tmp_path_factory.mktemp("server") / "vllm.log", env=env) as url:
+        yield url
+
+
+def get_json(url: str) -> Any:
+    """A GET of one of the server's JSON routes (``/weight_info``, ``/is_paused``)."""
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.loads(r.read())
