@@ -38,6 +38,17 @@ def dcr():
     return run_dcr
 
 
+@pytest.fixture(autouse=True)
+def _shut_down_vllm_engines():
+    """After every test, shut down the in-process vLLM engines it started (vllm_support.shut_down_engines):
+    one kept alive by a reference cycle would otherwise be collected during a later test's engine start,
+    in this file or the next, and take the distributed state that engine is setting up with it."""
+    yield
+    support = sys.modules.get("vllm_support")  # imported only by the vLLM tests
+    if support is not None:
+        support.shut_down_engines()
+
+
 # Tests never read or write the user's digest cache.
 os.environ.setdefault("DCR_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"dcr-test-cache-{os.getpid()}"))
 

@@ -10,8 +10,6 @@ write, naming the layer or the parameter and why.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 from conftest import require_or_skip
 
@@ -42,30 +40,6 @@ def _plugin():
     return ensure_plugin_entry_point()
 
 
-_ENGINES: list = []
-
-
-def _start(model_dir, **overrides):
-    llm = start_llm(model_dir, **overrides)
-    _ENGINES.append(llm)
-    return llm
-
-
-@pytest.fixture(autouse=True)
-def _stop_engines():
-    """Shut each test's engines down when it ends, in order, before the next test starts one.
-
-    vLLM's in-process engine freezes the garbage collector's view of what exists at its start
-    (gc.freeze) and tears down the process's distributed state when an engine is collected; an
-    engine kept alive by a reference cycle (a pytest.raises traceback holds the test's frame) was
-    otherwise collected in the middle of a later engine's start ("world group is not initialized").
-    """
-    yield
-    while _ENGINES:
-        _ENGINES.pop().llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory):
     return moe_train_run(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
@@ -86,7 +60,7 @@ def _expert_layers(llm) -> list:
 
 def _chain_with_crash_matches_fresh_engine(paths, monkeypatch) -> None:
     root = paths[0].parent
-    llm = _start(paths[0])
+    llm = start_llm(paths[0])
     layers = _expert_layers(llm)
     assert layers, "the engine has no fused-MoE layer"
     for _name, layer in layers:  # the experts compute on the parameters the loader filled
@@ -114,7 +88,7 @@ def _chain_with_crash_matches_fresh_engine(paths, monkeypatch) -> None:
     verify_llm(llm)
 
     updated_bits, updated_tokens = resident_bits(llm), greedy(llm)
-    fresh = _start(paths[-1])
+    fresh = start_llm(paths[-1])
     assert differing(updated_bits, resident_bits(fresh)) == []  # every parameter and buffer
     assert updated_tokens == greedy(fresh)
     assert updated_tokens != base_tokens
@@ -132,9 +106,9 @@ def test_qwen2_moe_shared_expert_chain_with_crash_and_retry_is_bit_identical(qwe
 
 def test_plain_experts_generate_what_vllms_packed_kernel_generates(qwen3_moe, monkeypatch):
     # The plugin's experts compute the same function as vLLM's prepacked grouped GEMM (same greedy tokens).
-    plain = greedy(_start(qwen3_moe[-1]))
+    plain = greedy(start_llm(qwen3_moe[-1]))
     monkeypatch.setenv("DCR_VLLM_CPU_KEEP_LAYOUT", "0")
-    stock = greedy(_start(qwen3_moe[-1]))
+    stock = greedy(start_llm(qwen3_moe[-1]))
     assert plain == stock
 
 
@@ -156,7 +130,7 @@ def _stock_experts(monkeypatch) -> None:
 
 def test_prepacked_cpu_experts_are_refused_naming_layer_and_backend(qwen3_moe, monkeypatch):
     _stock_experts(monkeypatch)
-    llm = _start(qwen3_moe[0])
+    llm = start_llm(qwen3_moe[0])
     before = resident_bits(llm)
     with pytest.raises(IncompatibleError) as refused:
         apply_to_llm(llm, qwen3_moe[0].parent / "d1")
@@ -177,7 +151,7 @@ def test_a_kernel_that_rewrites_loaded_experts_is_named_per_parameter(qwen3_moe,
         self.dcr_plain = True
 
     monkeypatch.setattr(cls, "process_weights_after_loading", repack_and_claim_plain)
-    llm = _start(qwen3_moe[0])
+    llm = start_llm(qwen3_moe[0])
     before = resident_bits(llm)
     with pytest.raises(IncompatibleError) as refused:
         apply_to_llm(llm, qwen3_moe[0].parent / "d1")

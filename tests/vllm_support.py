@@ -10,6 +10,7 @@ processes vLLM or the tests spawn find it too).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.metadata
 import json
 import os
@@ -67,11 +68,36 @@ ENGINE_ARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=Tru
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 2, 77, 41, 90]]
 
 
+# The in-process engines start_llm started, until conftest shuts them down after the test (shut_down_engines).
+_STARTED: list[Any] = []
+
+
 def start_llm(model_dir: Path, **overrides):
     from vllm import LLM
 
     args = {**ENGINE_ARGS, "weight_transfer_config": {"backend": "dcr"}, **overrides}
-    return LLM(model=str(model_dir), **args)
+    llm = LLM(model=str(model_dir), **args)
+    _STARTED.append(llm)
+    return llm
+
+
+def shut_down_engines() -> None:
+    """Shut down every engine start_llm started, in order, then collect: conftest runs this after every
+    test, so that no engine outlives the test that started it.
+
+    An in-process engine tears down the process's distributed state (the world group) when its client
+    is collected (vLLM's weakref.finalize of InprocClient calls EngineCore.shutdown). An ``LLM`` sits in
+    reference cycles, so dropping it (``del llm``, the test's end) does not free it, and the gc.freeze()
+    at the end of its EngineCore's start has moved it into the permanent generation, where the cyclic
+    gc does not look. It stays there until an EngineCore.shutdown (of any engine) calls gc.unfreeze();
+    the next collection then frees it and its finalizer runs, and vLLM collects in the middle of an
+    engine's start (after loading the weights): that engine then failed with "world group is not
+    initialized", in whichever test or file came later (e.g. an in-process test run after
+    test_vllm_pause.py). Held here until the test ends and shut down then, an engine is never finalized
+    at such a moment: ``shutdown()`` detaches that finalizer, so collecting it later tears nothing down."""
+    while _STARTED:
+        _STARTED.pop(0).llm_engine.engine_core.shutdown()
+    gc.collect()
 
 
 @contextlib.contextmanager
