@@ -33,6 +33,7 @@ from ...delta.reader import Delta
 from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import from_torch, numpy_int
+from ...format.kernels import compile_scatter, scatter
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
@@ -230,7 +231,10 @@ class Located:
 
 def _write_elements(flat: np.ndarray | torch.Tensor, index: np.ndarray | torch.Tensor, values) -> None:  # type: ignore[no-untyped-def]
     """The only place dcr writes resident weights (tests inject failures here)."""
-    flat[index] = values
+    if isinstance(flat, np.ndarray) and isinstance(index, np.ndarray) and isinstance(values, np.ndarray):
+        scatter(flat, index, values)  # CPU memory: one compiled pass (numpy's fancy assignment takes ~1.4x)
+    else:
+        flat[index] = values
 
 
 class EngineReceiver:
@@ -583,6 +587,10 @@ class EngineReceiver:
             self._overlap_fetch = False
         if mode == "noop":
             return mode
+        for width in sorted(
+            {TORCH_DTYPES[delta.manifest.tensors[it.tensor].dtype].itemsize for it in delta.manifest.items}
+        ):
+            compile_scatter(numpy_int(width))  # before the pause: its writes never wait for the compiler
         phases = {"prepare_check": time.perf_counter() - started, "fingerprint": self._fingerprint_seconds}
         started = time.perf_counter()
         resuming = mode == "resume"
