@@ -64,9 +64,12 @@ not what limits either side.
   through its node's link). The receiver command is ``apply STORE --version V --wait --vllm URL --ack``,
   started with the producer as in ``waiting``: the engine's workers fetch and check every block before
   the engine is paused, and the engine's pause window (the writes and the proof) is printed on its own
-  line. After each refit the engine is verified bit-exact (``verify --vllm``, untimed). The engine's
-  memory is the server's; the table shows the client's. See benchmarks/bench_vllm.py for the in-engine
-  apply against vLLM's own dense reload.
+  line. Before its first timed refit each engine is primed, untimed, as a rollout engine that has
+  refitted before is: a no-op delta (its version to itself) makes it read back and digest every tensor
+  once and trace every placement, so the timed refit is a steady one (``--cold-engine``: skip that, and
+  time the engine's first apply). After each refit the engine is verified bit-exact (``verify --vllm``,
+  untimed). The engine's memory is the server's; the table shows the client's. See
+  benchmarks/bench_vllm.py for the in-engine apply against vLLM's own dense reload.
 """
 
 from __future__ import annotations
@@ -452,9 +455,13 @@ def vllm_config(ckpt: Path) -> None:
     (ckpt / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def start_engines(stack: contextlib.ExitStack, link: Link, chain: Chain, k: int, work: Path) -> list[Receiver]:
+def start_engines(
+    stack: contextlib.ExitStack, link: Link, chain: Chain, k: int, work: Path, prime: bool = True
+) -> list[Receiver]:
     """One vLLM server per receiver node, serving checkpoint v_k, its workers reaching the store through the
-    node's link (their env); closed with ``stack``."""
+    node's link (their env); closed with ``stack``. ``prime``: then apply a no-op delta (v_k to itself),
+    untimed, so that each engine has established its version (the read-back fingerprint of every tensor)
+    and traced its placements, as a rollout engine that has refitted before has."""
     sys.path[:0] = [str(REPO / "tests")]
     from vllm_support import ensure_plugin_entry_point, vllm_server
 
@@ -467,6 +474,21 @@ def start_engines(stack: contextlib.ExitStack, link: Link, chain: Chain, k: int,
         url = stack.enter_context(vllm_server(chain.paths[k], log, env=node.env))
         print(f"  [receiver mode vllm] {node.name}: vLLM server up at {url} in {time.perf_counter() - started:.0f} s")
         engines.append(Receiver(node.name, work / f"engine-{node.name}", at=chain.labels[k], engine=url))
+        if prime:
+            noop = work / f"noop-{chain.name}-{chain.labels[k]}"
+            if not noop.exists():
+                label = chain.labels[k]
+                run(
+                    dcr("diff", str(chain.paths[k]), str(chain.paths[k]), "-o", str(noop), "--base-version", label,
+                        "--target-version", label),
+                    name="diff(noop)",
+                ).check()  # fmt: skip
+            started = time.perf_counter()
+            run(dcr("apply", str(noop), "--vllm", url), name="apply(prime)").check()
+            print(
+                f"  [receiver mode vllm] {node.name}: primed (read back and digested every tensor, traced every "
+                f"placement; untimed) in {time.perf_counter() - started:.1f} s"
+            )
     return engines
 
 
@@ -1032,6 +1054,11 @@ def main() -> None:
         "receivers always pull",
     )
     ap.add_argument(
+        "--cold-engine",
+        action="store_true",
+        help="vllm mode: time each engine's first apply (no untimed no-op apply first, which establishes its version)",
+    )
+    ap.add_argument(
         "--reference-sample-mib",
         type=int,
         default=512,
@@ -1129,7 +1156,7 @@ def main() -> None:
                             engines = contextlib.ExitStack()
                             try:
                                 if mode == "vllm":
-                                    rs = start_engines(engines, link, ch, selected[0], work)
+                                    rs = start_engines(engines, link, ch, selected[0], work, prime=not args.cold_engine)
                                 # Walk forward from v0 when the receivers are there (or nowhere yet), backward from
                                 # the chain's end when a previous configuration left them there.
                                 at_end = all(r.at == ch.labels[selected[-1] + 1] for r in rs)

@@ -1,7 +1,8 @@
 """dcr apply into a tensor-parallel vLLM engine (TP=2 on CPU, one worker process per rank).
 
 Runs tests/vllm_tp_probe.py in its own process (vLLM's default process layout) after the other
-vLLM test modules have shut their engines down.
+vLLM test modules have shut their engines down. The same engine also applies a chain from an S3
+store (moto), through a proxy that counts what its workers fetch: one download per node.
 """
 
 from __future__ import annotations
@@ -11,15 +12,19 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_or_skip
+from conftest import require_or_skip, run_dcr
+from store_fixtures import CountingProxy, S3Endpoint
 
 require_or_skip("vllm")  # under CI a missing vLLM fails the run
 
 from vllm_support import ensure_plugin_entry_point, train_run
 
+from dcr_cli.delta.reader import Delta
 from dcr_cli.produce import diff
 
 pytestmark = pytest.mark.vllm
@@ -36,10 +41,34 @@ def qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen3_tp_report(qwen3):
-    """The probe's report: one TP=2 engine for both tests (an engine start is the slow part)."""
+def tp_store(qwen3: list[Path], s3_endpoint: S3Endpoint) -> Iterator[tuple[str, CountingProxy]]:
+    """d1..d3 published on an S3 store, and a proxy in front of it that only the engine goes through."""
+    bucket = f"dcr-tp-{uuid.uuid4().hex[:12]}"
+    s3_endpoint.filesystem().mkdir(bucket)
+    url = f"s3://{bucket}/store"
+    options = ["-S", f"endpoint_url={s3_endpoint.url}"]
+    for i in (1, 2, 3):
+        run_dcr("push", str(qwen3[0].parent / f"d{i}"), url, *options, env=s3_endpoint.env(), check=True)
+        # The committed version is the next push's base (a producer's receivers ack it first; here, a stand-in).
+        run_dcr("ack", url, f"step-{i}", "--receiver", "r", *options, env=s3_endpoint.env(), check=True)
+        run_dcr("commit", url, f"step-{i}", "--receiver", "r", *options, env=s3_endpoint.env(), check=True)
+    proxy = CountingProxy(s3_endpoint.url)
+    yield url, proxy
+    proxy.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp_report(qwen3: list[Path], s3_endpoint: S3Endpoint, tp_store: tuple[str, CountingProxy]) -> dict:
+    """The probe's report: one TP=2 engine for every test (an engine start is the slow part)."""
+    url, proxy = tp_store
+    root = qwen3[0].parent
+    locations = [f"{url}/manifests/{Delta.open(root / f'd{i}').id}.json" for i in (1, 2, 3)]
+    s3 = {k: v for k, v in s3_endpoint.env().items() if k.startswith("AWS_")}
     env = {
         **os.environ,
+        **s3,
+        "FSSPEC_S3_ENDPOINT_URL": proxy.url,  # the engine's workers (and the probe) reach moto through the proxy
+        "DCR_TP_PROBE_STORE": json.dumps(locations),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank; the default binding wants 2 NUMA nodes
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -90,3 +119,22 @@ def test_tensor_parallel_2_failure_on_one_rank_then_retry_is_exact(qwen3_tp_repo
     assert [r["status"] for r in report["again"]] == ["applied"] * 3
     assert report["again_checksums_equal"], "after the failure and retry the checksums differ from a fresh engine"
     assert report["again_tokens_equal"] and report["again_version"] == "step-3"
+
+
+def test_tensor_parallel_2_from_a_store_downloads_each_block_once_per_node(
+    qwen3_tp_report: dict, tp_store: tuple[str, CountingProxy], qwen3: list[Path]
+) -> None:
+    """Both ranks need every item (each holds a slice of every tensor); before, each rank downloaded the
+    whole delta, so a TP=N engine moved the payload N times over its node's link. Now the node's first
+    rank downloads each data block once, checked whole, and both ranks read that copy."""
+    store = qwen3_tp_report["store"]
+    assert [r["status"] for r in store["reports"]] == ["applied"] * 3
+    assert store["checksums_equal"] and store["version"] == "step-3"
+    assert store["copies_left"] == []  # the node's copy is removed once every rank has applied it
+    _, proxy = tp_store
+    with proxy.lock:
+        fetched = dict(proxy.requests)
+    for i in (1, 2, 3):
+        for block in Delta.open(qwen3[0].parent / f"d{i}").manifest.blocks:
+            gets = sum(n for (method, path), n in fetched.items() if method == "GET" and path.endswith(block.id))
+            assert gets == (1 if block.role == "data" else 0), (i, block, fetched)

@@ -10,6 +10,9 @@ Then the multi-rank error path: ROOT/back again, failing on rank 0 only in the m
 (rank 1 has no failure of its own), so that a raising rank would leave the other rank's reply
 queued in vLLM's channels; the next RPCs (status, then the retry) must read fresh replies. The
 retry resumes, the chain goes forward again, and the checksums must again be the fresh engine's.
+
+Last, with DCR_TP_PROBE_STORE (a JSON list of the store locations of d1..dSTEPS), back to step-0 and
+forward again from the store.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -140,6 +144,19 @@ def _run(llm: Any, root: Path, steps: int, startup: float) -> None:
         again_tokens_equal=greedy(llm) == target_tokens,
         again_version=llm.get_weight_version(),
     )
+    # From a store (the test's S3 endpoint, DCR_TP_PROBE_STORE: the store locations of d1..dSTEPS).
+    store = os.environ.get("DCR_TP_PROBE_STORE")
+    if store:
+        apply_to_llm(llm, root / "back")
+        reports = [apply_to_llm(llm, location) for location in json.loads(store)]
+        verify_llm(llm)
+        copies = Path(tempfile.gettempdir()) / f"dcr-engine-{os.getuid()}"
+        report["store"] = {
+            "reports": reports,
+            "checksums_equal": llm.collective_rpc("compute_weight_checksums") == target_sums,
+            "version": llm.get_weight_version(),
+            "copies_left": sorted(p.name for p in copies.iterdir()) if copies.exists() else [],
+        }
     print("DCR-TP-REPORT " + json.dumps(report), flush=True)
 
 

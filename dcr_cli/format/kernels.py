@@ -424,3 +424,41 @@ def _apply_batch(raw, gaps_at, gaps_len, values_at, counts, widths, sizes, regio
         spans[n_spans, 2] = seg
         n_spans += 1
     return np.int64(-1), n_spans
+
+
+# --------------------------------------------------------------------------- scattered writes (receivers)
+
+
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
+def _scatter(out, index, values):  # pragma: no cover - compiled
+    # One pass; an index outside ``out`` stops it there (returns how many were written).
+    n = out.shape[0]
+    for i in range(index.shape[0]):
+        at = index[i]
+        if at < 0 or at >= n:
+            return i
+        out[at] = values[i]
+    return index.shape[0]
+
+
+def scatter(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
+    """``out[index] = values`` for a 1-D ``out``, in one pass: about half numpy's time for sparse writes.
+
+    An index outside ``out`` raises IndexError; the elements before it are written, as a crash in
+    the middle of a write would leave them (a receiver's resume repairs such an item). ``values``
+    must have ``out``'s dtype; indices may be 32- or 64-bit.
+    """
+    if out.ndim != 1 or index.ndim != 1 or values.shape != index.shape or values.dtype != out.dtype:
+        raise ValueError(f"scatter: 1-D {out.dtype} storage, indices and values of one length (got {values.dtype})")
+    if index.size and _scatter(out, index, values) != index.size:
+        raise IndexError(f"scatter: an index is outside the storage of {out.size} elements")
+
+
+def compile_scatter(dtype: np.dtype) -> None:
+    """Compile ``scatter`` for this element dtype (32- and 64-bit indices), or load it from numba's cache.
+
+    A receiver calls it before it pauses an engine, so the first write does not wait for the compiler.
+    """
+    empty = np.zeros(0, dtype=dtype)
+    for index in (np.int32, np.int64):
+        _scatter(empty, np.zeros(0, dtype=index), empty)

@@ -229,8 +229,11 @@ def engine_chain(deltas: Sequence[D]) -> list[D]:
     """Apply order for a receiver whose version the caller does not know (a vLLM engine).
 
     The chain starts at the one delta whose base no other delta produces (the engine checks that
-    base itself) and must use every delta given.
+    base itself) and must use every delta given. One delta is a chain by itself, a no-op one (its
+    base is its target: an engine applies it to establish its version) included.
     """
+    if len(deltas) == 1:
+        return list(deltas)
     targets = {d.manifest.target.fingerprint for d in deltas}
     starts = [d for d in deltas if d.manifest.base.fingerprint not in targets]
     by_base = {d.manifest.base.fingerprint: d for d in deltas}

