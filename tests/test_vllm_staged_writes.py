@@ -19,15 +19,7 @@ from conftest import require_or_skip
 require_or_skip("vllm")
 
 from manifest_text import manifest_v1
-from vllm_support import (
-    differing,
-    engine_env,
-    ensure_plugin_entry_point,
-    resident_bits,
-    resident_model,
-    start_llm,
-    train_run,
-)
+from vllm_support import differing, qwen3_run, resident_bits, resident_model, start_llm
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IntegrityError
@@ -42,15 +34,9 @@ from dcr_cli.receive.vllm.client import InProcessEngine, apply_to_engine
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _plugin() -> str:
-    engine_env()
-    return ensure_plugin_entry_point()
-
-
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return train_run(tmp_path_factory.mktemp("qwen3-staged"), "qwen3", tie=False, steps=2)
+    return qwen3_run(tmp_path_factory, "qwen3-staged", steps=2)
 
 
 def test_a_delta_whose_values_miss_an_items_post_digest_never_pauses_the_engine(
