@@ -758,6 +758,25 @@ def _close(src: Any) -> None:
         src.close()
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_options(workers: int | None, level: int | None, rank: int | None, world_size: int | None) -> None:
+    """What ``dcr diff``'s option types check, for callers of the Python API: one line, before any work."""
+    if workers is not None and not (_is_int(workers) and workers >= 1):
+        raise IncompatibleError(f"workers must be an integer of at least 1 (or None: all cores), not {workers!r}")
+    if level is not None and not (_is_int(level) and 1 <= level <= 22):
+        raise IncompatibleError(f"level must be a zstd level from 1 to 22 (or None: dcr's own), not {level!r}")
+    if (rank is None) != (world_size is None) or not (
+        rank is None or (_is_int(rank) and _is_int(world_size) and 0 <= rank < world_size)  # type: ignore[operator]
+    ):
+        raise IncompatibleError(
+            f"give rank and world_size together, with 0 <= rank < world_size (got rank={rank!r}, "
+            f"world_size={world_size!r})"
+        )
+
+
 @fewer_collections()
 def diff(
     base: str | os.PathLike[str],
@@ -790,6 +809,7 @@ def diff(
     sending can overlap building (``dcr_cli.store.BlockUploader``).
     ``progress_total(bytes)`` is called once, before any work, with the total ``progress`` will reach.
     """
+    check_options(workers, level, rank, world_size)
     fmt, b_src, n_src = open_pair(base, new, format, profile)
     try:
         if fmt == "hf":
