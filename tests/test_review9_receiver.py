@@ -63,22 +63,29 @@ def _state(root: Path) -> dict:
     return json.loads((root / ".dcr" / "state.json").read_text())
 
 
-def test_a_shard_renamed_over_during_the_writes_is_not_recorded_and_a_rerun_finishes(
-    chain: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    a, b, delta = chain
+def _replaced_during_the_writes(a: Path, delta: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of ``a`` that ``delta`` is applied to while another writer renames a shard over (with the
+    same base bytes) after every item was written through the old file; the apply must fail."""
     recv = tmp_path / "recv"
     shutil.copytree(a, recv)
     finish = applier._Proof.finish
 
     def other_writer_then_finish(self: applier._Proof, workers: int) -> dict[str, str]:
-        _rename_over(a / _shard(recv).name, _shard(recv))  # after every item was written through the old file
+        _rename_over(a / _shard(recv).name, _shard(recv))
         return finish(self, workers)
 
     monkeypatch.setattr(applier._Proof, "finish", other_writer_then_finish)
     with pytest.raises(IntegrityError, match="was replaced by another writer while dcr apply wrote it"):
         dcr_cli.apply(delta, into=recv)
     monkeypatch.undo()
+    return recv
+
+
+def test_a_shard_renamed_over_during_the_writes_is_not_recorded_and_a_rerun_finishes(
+    chain: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b, delta = chain
+    recv = _replaced_during_the_writes(a, delta, tmp_path, monkeypatch)
     assert _state(recv)["applying"] is not None and _state(recv)["version"] is None  # nothing claimed
     proc = run_dcr("verify", str(recv))
     assert proc.returncode == 2 and "in the middle of a dcr apply" in proc.stderr
@@ -118,17 +125,7 @@ def test_replaced_files_whose_untouched_tensors_moved_are_still_refused(
     """The resume after a replacement needs every untouched tensor at its base digest; otherwise the
     version is established by hashing, and a checkpoint at neither end is refused, writing nothing."""
     a, _, delta = chain
-    recv = tmp_path / "recv"
-    shutil.copytree(a, recv)
-    finish = applier._Proof.finish
-    monkeypatch.setattr(
-        applier._Proof,
-        "finish",
-        lambda self, w: (_rename_over(a / _shard(recv).name, _shard(recv)), finish(self, w))[1],
-    )
-    with pytest.raises(IntegrityError):
-        dcr_cli.apply(delta, into=recv)
-    monkeypatch.undo()
+    recv = _replaced_during_the_writes(a, delta, tmp_path, monkeypatch)
     # Now the other writer also changes t2, which no item touches (it is in the third shard).
     odd = {
         name: tensor_from_bits(np.frombuffer(raw, np.uint16).copy(), "BF16", (40, 100))
