@@ -124,3 +124,19 @@ def test_live_tensors_without_dense_values_are_refused_in_one_line(tmp_path: Pat
 def test_a_producer_baseline_of_the_wrong_type_is_a_dcr_error(tmp_path: Path) -> None:
     with pytest.raises(DcrError, match="baseline must be a mapping of live tensors or an HF checkpoint path"):
         dcr_cli.Producer(tmp_path / "p", baseline=5)  # type: ignore[arg-type]
+
+
+def test_api_squash_apply_and_verify_check_workers_and_level(tmp_path: Path) -> None:
+    a, b = _pair(tmp_path)
+    delta = tmp_path / "d"
+    dcr_cli.diff(a, b, delta)
+    with pytest.raises(IncompatibleError, match="level must be a zstd level"):
+        dcr_cli.squash([delta], tmp_path / "s", level=99)
+    with pytest.raises(IncompatibleError, match="workers must be an integer"):
+        dcr_cli.squash([delta], tmp_path / "s", workers=-1)
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(IncompatibleError, match="workers must be an integer"):
+        dcr_cli.apply(delta, into=a, workers=-1)
+    assert not (a / ".dcr").exists()  # nothing written, not even the receiver's state directory
+    with pytest.raises(IncompatibleError, match="workers must be an integer"):
+        dcr_cli.verify(a, against=delta, workers=0)

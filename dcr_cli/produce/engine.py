@@ -29,6 +29,7 @@ from ..format.codec import (
     DEFAULT_LEVEL,
     EncodedItem,
     PendingItem,
+    check_level,
     diff_region,
     digest_small,
     encode_changes,
@@ -39,7 +40,7 @@ from ..format.dtypes import numel, uint_of
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
 from ..io.gc_pause import fewer_collections
-from ..io.pool import Inline, default_workers, ordered_stream
+from ..io.pool import Inline, check_workers, default_workers, ordered_stream
 from .plan import (
     CHUNK_BYTES,
     Band,
@@ -758,23 +759,21 @@ def _close(src: Any) -> None:
         src.close()
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_options(workers: int | None, level: int | None, rank: int | None, world_size: int | None) -> None:
     """What ``dcr diff``'s option types check, for callers of the Python API: one line, before any work."""
-    if workers is not None and not (_is_int(workers) and workers >= 1):
-        raise IncompatibleError(f"workers must be an integer of at least 1 (or None: all cores), not {workers!r}")
-    if level is not None and not (_is_int(level) and 1 <= level <= 22):
-        raise IncompatibleError(f"level must be a zstd level from 1 to 22 (or None: dcr's own), not {level!r}")
-    if (rank is None) != (world_size is None) or not (
-        rank is None or (_is_int(rank) and _is_int(world_size) and 0 <= rank < world_size)  # type: ignore[operator]
-    ):
+    check_workers(workers)
+    check_level(level)
+    whole = (rank is None) == (world_size is None)
+    if not whole or not (rank is None or _in_world(rank, world_size)):
         raise IncompatibleError(
             f"give rank and world_size together, with 0 <= rank < world_size (got rank={rank!r}, "
             f"world_size={world_size!r})"
         )
+
+
+def _in_world(rank: object, world_size: object) -> bool:
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world_size))
+    return ints and 0 <= rank < world_size  # type: ignore[operator]
 
 
 @fewer_collections()

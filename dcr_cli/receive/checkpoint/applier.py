@@ -40,7 +40,7 @@ from ...errors import DcrError, IncompatibleError, IntegrityError, VerifyFailed
 from ...format.digest import digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.gc_pause import fewer_collections, no_collections
-from ...io.pool import Inline, default_workers, ordered_parallel
+from ...io.pool import Inline, check_workers, default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .batch import Batch, prepare_batch
 from .inplace import BATCH_BYTES as DIGEST_BATCH_BYTES
@@ -736,6 +736,7 @@ def apply(
     against the target table, still under the lock, as ``dcr verify`` does: the tensors the apply's
     proof read back after its writes with the digests it computed, every other tensor by reading it.
     """
+    check_workers(workers)
     root = Path(into)
     if not root.is_dir():
         raise IncompatibleError(f"{root} is not a checkpoint directory")
