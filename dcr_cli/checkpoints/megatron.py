@@ -135,7 +135,58 @@ def expert_spellings(key: Callable[[str], str], layer: int, e: int, fc: str) -> 
     ]
 
 
+_REQUIRED_DIMS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_OPTIONAL_DIMS = ("num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size")
+_EXPERT_COUNTS = ("num_experts", "num_local_experts")
+
+
+def check_profile(config: Any) -> None:
+    """Every value of a Megatron profile that the map reads, of the type it is read as (producers.md §4).
+
+    Values are never coerced: ``bool("false")`` is True, so a flag spelled as a string would turn on a
+    value-changing conversion (``zero_centered_gamma``) or drop a tensor (``tie_word_embeddings``), and
+    a string of module names would be matched character by character; each is refused in one line.
+    """
+
+    def refuse(what: str, value: object, want: str) -> IncompatibleError:
+        return IncompatibleError(f"Megatron profile: {what} must be {want}, not {value!r}")
+
+    if not isinstance(config, dict):
+        raise refuse("the profile", config, "a JSON object (the model's HF config.json)")
+    for name in _REQUIRED_DIMS:
+        if name not in config:
+            raise IncompatibleError(f"Megatron profile lacks a model dimension: {name}")
+        if not _is_positive(config[name]):
+            raise refuse(name, config[name], "a positive integer")
+    for name in _OPTIONAL_DIMS:
+        if config.get(name) is not None and not _is_positive(config[name]):
+            raise refuse(name, config[name], "a positive integer (or absent)")
+    for name in _EXPERT_COUNTS:
+        v = config.get(name)
+        if v is not None and not (_is_positive(v) or (v == 0 and not isinstance(v, bool))):
+            raise refuse(name, v, "a non-negative integer (or absent)")
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if config.get("intermediate_size") is None and not (experts and config.get("moe_intermediate_size")):
+        raise IncompatibleError("Megatron profile lacks a model dimension: intermediate_size")
+    tied = config.get("tie_word_embeddings")
+    if tied is not None and not isinstance(tied, bool):
+        raise refuse("tie_word_embeddings", tied, "true or false")
+    meg = config.get("megatron")
+    if meg is not None:
+        if not isinstance(meg, dict):
+            raise refuse('"megatron"', meg, 'an object ({"zero_centered_gamma": bool, "prefix": str})')
+        if meg.get("prefix") is not None and not isinstance(meg["prefix"], str):
+            raise refuse("megatron.prefix", meg["prefix"], "a string")
+        if meg.get("zero_centered_gamma") is not None and not isinstance(meg["zero_centered_gamma"], bool):
+            raise refuse("megatron.zero_centered_gamma", meg["zero_centered_gamma"], "true or false")
+    quant = config.get("quantization_config")
+    skip = quant.get("modules_to_not_convert") if isinstance(quant, dict) else None
+    if skip is not None and not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+        raise refuse("quantization_config.modules_to_not_convert", skip, "a list of module names")
+
+
 def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str, CanonicalTensor]:
+    check_profile(config)
     stored = reader.stored
     meg = config.get("megatron") or {}
     prefix = meg.get("prefix")
@@ -339,6 +390,10 @@ FP8_LINEAR = re.compile(
 )
 
 
+def _is_positive(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0  # bool is an int in Python
+
+
 def fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
     """The block of an fp8 ``quantization_config`` (None without one); anything else is refused."""
     quant = config.get("quantization_config")
@@ -349,7 +404,7 @@ def fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
             f"unsupported quantization_config {quant!r}: dcr produces only fp8 (e4m3) block quantization"
         )
     block = quant.get("weight_block_size", list(DEFAULT_BLOCK))
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if not (isinstance(block, list) and len(block) == 2 and all(_is_positive(b) for b in block)):
         raise IncompatibleError(f"quantization_config weight_block_size must be two positive integers, not {block!r}")
     return block[0], block[1]
 

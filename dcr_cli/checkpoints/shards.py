@@ -514,6 +514,8 @@ def identity_canonical(
         if include and not any(fnmatch.fnmatchcase(key, g) for g in include):
             continue
         name = key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
+        if not name:  # a tensor named "" no checkpoint a receiver holds can match
+            raise IncompatibleError(f"{reader.root}: --strip-prefix {strip_prefix!r} leaves {key!r} with no name")
         if name in out:
             raise IncompatibleError(f"{reader.root}: two stored tensors become {name!r} after --strip-prefix")
         st = reader.stored[key]

@@ -57,12 +57,19 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError, IncompatibleError, IntegrityError
-from ..format.codec import DEFAULT_LEVEL, DENSE_TRIAL_RATE, EncodedItem, encode_positions, encode_values
+from ..format.codec import (
+    DEFAULT_LEVEL,
+    DENSE_TRIAL_RATE,
+    EncodedItem,
+    check_level,
+    encode_positions,
+    encode_values,
+)
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import MAX_REGION_ELEMENTS, Item, Op, Region, TensorEntry, _any_boxes_overlap
 from ..format.manifest import fingerprint as table_fingerprint
-from ..io.pool import default_workers, ordered_parallel
+from ..io.pool import check_workers, default_workers, ordered_parallel
 from .reader import Delta, DeltaLike, open_deltas
 from .summary import DiffSummary, summarize
 from .writer import DeltaWriter
@@ -167,6 +174,8 @@ def squash(
     stored values (unsigned integers of the dtype's width); it is consulted only where the chain does
     not carry them (overwrite items), and checked against the deltas' digests.
     """
+    check_workers(workers)
+    check_level(level)
     chain = open_chain(deltas)
     check_chain(chain)
     for d in chain:  # xor items' target values live in repair blocks, which dcr pull skips by default

@@ -22,7 +22,7 @@ import blake3
 import numpy as np
 import zstandard
 
-from ..errors import IntegrityError
+from ..errors import IncompatibleError, IntegrityError
 from .digest import digest_bytes
 from .dtypes import DType
 from .kernels import ESCAPE, byte_planes, escaped_gaps, merge_planes, positions_from_gaps, scan_changes
@@ -30,6 +30,15 @@ from .manifest import Op, Region
 
 # None selects dcr's tuned parameters; an int selects that standard zstd level.
 DEFAULT_LEVEL: int | None = None
+
+
+def check_level(level: object) -> None:
+    """What the command line's ``--level`` type checks, for callers of the Python API: None (dcr's own
+    parameters) or a zstd level from 1 to 22; else one IncompatibleError line before any work."""
+    if level is not None and not (isinstance(level, int) and not isinstance(level, bool) and 1 <= level <= 22):
+        raise IncompatibleError(f"level must be a zstd level from 1 to 22 (or None: dcr's own), not {level!r}")
+
+
 # Above this change rate an item also tries a dense replace and keeps the smaller.
 DENSE_TRIAL_RATE = 0.25
 

@@ -9,7 +9,16 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
+from ..errors import IncompatibleError
+
 T = TypeVar("T")
+
+
+def check_workers(workers: object) -> None:
+    """What the command line's ``--workers`` type checks, for callers of the Python API: None (all
+    cores) or an integer of at least 1; else one IncompatibleError line before any work."""
+    if workers is not None and not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
+        raise IncompatibleError(f"workers must be an integer of at least 1 (or None: all cores), not {workers!r}")
 
 
 def default_workers() -> int:

@@ -29,6 +29,7 @@ from ..format.codec import (
     DEFAULT_LEVEL,
     EncodedItem,
     PendingItem,
+    check_level,
     diff_region,
     digest_small,
     encode_changes,
@@ -39,7 +40,7 @@ from ..format.dtypes import numel, uint_of
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
 from ..io.gc_pause import fewer_collections
-from ..io.pool import Inline, default_workers, ordered_stream
+from ..io.pool import Inline, check_workers, default_workers, ordered_stream
 from .plan import (
     CHUNK_BYTES,
     Band,
@@ -758,6 +759,23 @@ def _close(src: Any) -> None:
         src.close()
 
 
+def check_options(workers: int | None, level: int | None, rank: int | None, world_size: int | None) -> None:
+    """What ``dcr diff``'s option types check, for callers of the Python API: one line, before any work."""
+    check_workers(workers)
+    check_level(level)
+    whole = (rank is None) == (world_size is None)
+    if not whole or not (rank is None or _in_world(rank, world_size)):
+        raise IncompatibleError(
+            f"give rank and world_size together, with 0 <= rank < world_size (got rank={rank!r}, "
+            f"world_size={world_size!r})"
+        )
+
+
+def _in_world(rank: object, world_size: object) -> bool:
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world_size))
+    return ints and 0 <= rank < world_size  # type: ignore[operator]
+
+
 @fewer_collections()
 def diff(
     base: str | os.PathLike[str],
@@ -790,6 +808,7 @@ def diff(
     sending can overlap building (``dcr_cli.store.BlockUploader``).
     ``progress_total(bytes)`` is called once, before any work, with the total ``progress`` will reach.
     """
+    check_options(workers, level, rank, world_size)
     fmt, b_src, n_src = open_pair(base, new, format, profile)
     try:
         if fmt == "hf":

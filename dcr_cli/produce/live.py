@@ -43,7 +43,8 @@ from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import from_torch, numel, torch_int
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry
-from .engine import execute
+from ..format.store_records import is_label
+from .engine import check_options, execute
 from .plan import Plan, assign_tensors, check_compatible, check_layouts, plan_shards, plan_tensors
 
 if TYPE_CHECKING:
@@ -71,8 +72,13 @@ class _Entry:
     plain: bool  # a whole plain tensor (every rank holds all of it)
 
 
-def _int_view(t: torch.Tensor) -> torch.Tensor:
+def _int_view(t: torch.Tensor, key: str) -> torch.Tensor:
     """The stored bits as signed integers of the same width (every torch op is defined on them)."""
+    import torch
+
+    if t.layout != torch.strided or t.is_meta:  # no dense elements to diff: refused in one line, not by torch
+        kind = "meta" if t.is_meta else str(t.layout).removeprefix("torch.")
+        raise IncompatibleError(f"{key}: a live tensor must hold dense values in memory, not a {kind} tensor")
     t = t.detach()
     return t.contiguous().view(torch_int(t.element_size()))
 
@@ -103,13 +109,13 @@ def _entries(tensors: Mapping[str, Any], names: Names | None) -> list[_Entry]:
                 shape, dt = tuple(v.shape), from_torch(v.dtype).name
                 local = v.to_local()
                 for c in v.__create_chunk_list__():  # type: ignore[attr-defined]
-                    boxes.append(((tuple(c.offsets), tuple(c.sizes)), _int_view(local)))
+                    boxes.append(((tuple(c.offsets), tuple(c.sizes)), _int_view(local, key)))
             elif isinstance(v, LiveShard):
                 shape, dt = tuple(v.global_shape), from_torch(v.tensor.dtype).name
-                boxes.append(((tuple(v.offsets), tuple(v.tensor.shape)), _int_view(v.tensor)))
+                boxes.append(((tuple(v.offsets), tuple(v.tensor.shape)), _int_view(v.tensor, key)))
             elif isinstance(v, torch.Tensor):
                 shape, dt, plain = tuple(v.shape), from_torch(v.dtype).name, True
-                boxes.append((((0,) * v.dim(), tuple(v.shape)), _int_view(v)))
+                boxes.append((((0,) * v.dim(), tuple(v.shape)), _int_view(v, key)))
             else:
                 raise IncompatibleError(f"{key}: a live tensor must be a torch.Tensor, a DTensor or a LiveShard")
         out.append(_Entry(new_key, dt, shape, boxes, plain and len(values) == 1))
@@ -536,6 +542,7 @@ def diff_tensors(
     ``dcr diff`` of an HF directory of them plans; DTensors plan what ``dcr diff`` of their
     ``dcp.save`` checkpoint plans (same delta bits, except ``created``).
     """
+    check_options(workers, level, None, None)
     g = _Group.current(group)
     b_layout, n_layout = _layouts([base, new], names, profile, g)
     summary, _, _ = _run(
@@ -578,6 +585,11 @@ class Producer:
         self.names, self.profile, self.overwrite = names, profile, tuple(overwrite)
         self.device, self.workers, self.level = device, workers, level
         self.on_block, self.on_delta = on_block, on_delta
+        check_options(workers, level, None, None)
+        if not isinstance(baseline, (str, os.PathLike, Mapping)):
+            raise IncompatibleError(
+                f"baseline must be a mapping of live tensors or an HF checkpoint path, not {type(baseline).__name__}"
+            )
         self.group = _Group.current(group)
         self.base_version = base_version
         self._source = baseline if isinstance(baseline, (str, os.PathLike)) else None
@@ -654,10 +666,20 @@ class Producer:
     def diff(self, state: Mapping[str, Any], version: str) -> DiffSummary | None:
         """Write the delta from the committed baseline to ``state`` as ``out/<version>``. Collective.
 
-        A version diffed before and not committed is replaced (its delta is rewritten).
+        A version diffed before and not committed is replaced (its delta is rewritten). ``version``
+        names the directory: it must be a store label (store-v1 §1.1), other than the baseline's.
         """
         import torch
 
+        # Checked before anything is read or removed: out/<version> of an unchecked version ("", ".",
+        # "../x", "/x") is out itself, a directory beside it or anywhere, and an earlier attempt is rmtree'd.
+        if not isinstance(version, str) or not is_label(version):
+            raise IncompatibleError(
+                f"version {version!r} is not a valid label (it names the delta's directory): use 1-128 characters "
+                "from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+            )
+        if version == self.base_version:
+            raise IncompatibleError(f"version {version!r} is the baseline's label: give the new version a new label")
         if self._baseline is None:
             self._baseline = self._from_checkpoint(state)
         (current,) = _layouts([state], self.names, self.profile, self.group)

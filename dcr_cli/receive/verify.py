@@ -24,7 +24,7 @@ from ..delta.reader import Delta
 from ..errors import IncompatibleError
 from ..format.manifest import TensorEntry, fingerprint
 from ..io.gc_pause import fewer_collections
-from ..io.pool import default_workers
+from ..io.pool import check_workers, default_workers
 from . import plan as receiver_plan
 from .checkpoint.inplace import InPlaceFiles, digest_tensors
 from .checkpoint.state import read_recorded_table, read_state
@@ -106,6 +106,7 @@ def verify(
     receiver's lock); they are not read again.
     Returns a report; it raises only when there is nothing to compare with.
     """
+    check_workers(workers)
     root = Path(checkpoint)
     if not root.is_dir():
         raise IncompatibleError(f"{root} is not a checkpoint directory")

@@ -40,7 +40,7 @@ from ...errors import DcrError, IncompatibleError, IntegrityError, VerifyFailed
 from ...format.digest import digest_bytes
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.gc_pause import fewer_collections, no_collections
-from ...io.pool import Inline, default_workers, ordered_parallel
+from ...io.pool import Inline, check_workers, default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .batch import Batch, prepare_batch
 from .inplace import BATCH_BYTES as DIGEST_BATCH_BYTES
@@ -270,6 +270,18 @@ def stream_item(delta: Delta, item: Item, files: InPlaceFiles, writing: Callable
         buf[where] = new
         files.write_held(item.tensor, runs, buf)
     return Prepared("pending", item.count)
+
+
+def _check_not_replaced(files: InPlaceFiles, root: Path, *, written: bool) -> None:
+    """Refuse to go on (or to record the target) once another writer has renamed a file over one this apply
+    opened: its writes and its proof went to a file that is no longer the checkpoint's."""
+    moved = files.replaced()
+    if moved:
+        when = "while dcr apply wrote it; nothing is recorded" if written else "before dcr apply wrote it"
+        raise IntegrityError(
+            f"{moved[0]} was replaced by another writer {when} ({len(moved)} such): stop whatever else writes "
+            f"{root}, then re-run the same dcr apply"
+        )
 
 
 def _digest(values: np.ndarray) -> str:
@@ -660,11 +672,24 @@ def _establish(
                 f"({a['base'].get('version')} -> {a['target'].get('version')}); "
                 "re-run dcr apply with that delta (or one with the same base and target) to finish it"
             )
+        base = resume.manifest.base
         if same_files(state.files, now):
-            base = resume.manifest.base
             table = read_recorded_table(root, base.fingerprint)
             return _Start(base.fingerprint, base.version, table, resume, list(state.history)), state
         say(f"{root}: the files of the interrupted apply were replaced since; re-hashing")
+        # Replaced (say, renamed over by another writer while the apply ran): where every tensor no item
+        # touches still holds its base digest, the apply resumes; each item is classified by its own
+        # digests (done, pending, or torn: rewritten with its absolute target values) and the proof
+        # then covers every touched tensor, as after a crash.
+        table = digest_tensors(files, workers)
+        base_table = read_recorded_table(root, base.fingerprint)
+        untouched = set(resume.manifest.tensors) - receiver_plan.touched(resume.manifest)
+        if base_table is not None and all(
+            n in table and n in base_table and table[n].digest == base_table[n].digest for n in untouched
+        ):
+            return _Start(base.fingerprint, base.version, base_table, resume, list(state.history)), state
+        fp = fingerprint(table)
+        return _Start(fp, _label(fp, opened), table, None, []), state
     elif state is not None and state.fingerprint and state.files == now:
         table = read_recorded_table(root, state.fingerprint)
         return _Start(
@@ -711,6 +736,7 @@ def apply(
     against the target table, still under the lock, as ``dcr verify`` does: the tensors the apply's
     proof read back after its writes with the digests it computed, every other tensor by reading it.
     """
+    check_workers(workers)
     root = Path(into)
     if not root.is_dir():
         raise IncompatibleError(f"{root} is not a checkpoint directory")
@@ -927,6 +953,7 @@ def _apply_one(
             write_recorded_table(root, base_table)  # so that a resume can check what it did not touch
         with SafetensorsCheckpoint(root) as ckpt:
             before = file_stats(root, ckpt)
+        _check_not_replaced(files, root, written=False)
         # From here on the files may be between versions; the state says which delta is in flight.
         applying = {"delta_id": delta.id, "base": ref(m.base), "target": ref(m.target), "url": delta.url}
         write_state(root, ReceiverState(None, None, applying, before, history))
@@ -960,6 +987,8 @@ def _apply_one(
             proof_seconds = time.perf_counter() - proof_started
         finally:
             proof.close()
+        # The proof read the files written through these descriptors: they must still be the checkpoint's.
+        _check_not_replaced(files, root, written=True)
     bad = receiver_plan.unproven(m, digests)
     if bad:
         raise receiver_plan.proof_failure(m, bad, str(root))

@@ -181,6 +181,21 @@ class InPlaceFiles:
             return None
         return view[loc.start : loc.start + loc.nbytes]
 
+    def replaced(self) -> list[Path]:
+        """The files opened here whose path no longer names them (renamed over or removed by another writer:
+        rsync, cp + mv); what was written to them is not in the checkpoint."""
+        out = []
+        for file, fd in sorted(self._fds.items()):
+            try:
+                st = os.stat(file)
+            except FileNotFoundError:
+                out.append(file)
+                continue
+            opened = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino):
+                out.append(file)
+        return out
+
     def open_all(self, names: Iterable[str]) -> None:
         """Open the files of ``names`` now (in this thread), so a missing permission fails before any write."""
         for name in names:
