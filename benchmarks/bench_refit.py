@@ -476,7 +476,8 @@ def start_engines(
         engines.append(Receiver(node.name, work / f"engine-{node.name}", at=chain.labels[k], engine=url))
         if prime:
             noop = work / f"noop-{chain.name}-{chain.labels[k]}"
-            if not noop.exists():
+            if not (noop / "manifest.json").exists():  # a diff interrupted earlier left no manifest
+                shutil.rmtree(noop, ignore_errors=True)
                 label = chain.labels[k]
                 run(
                     dcr("diff", str(chain.paths[k]), str(chain.paths[k]), "-o", str(noop), "--base-version", label,

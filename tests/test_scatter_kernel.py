@@ -49,3 +49,18 @@ def test_mismatched_dtypes_or_shapes_are_refused() -> None:
         scatter(out, np.array([0], dtype=np.int64), np.array([1], dtype=np.int32))
     with pytest.raises(ValueError, match="scatter"):
         scatter(out, np.array([0, 1], dtype=np.int64), np.array([1], dtype=np.int16))
+
+
+def test_strided_and_read_only_inputs_take_the_compiled_variant() -> None:
+    """They are copied, so no new kernel is compiled for them (an engine's pause never waits for numba)."""
+    from dcr_cli.format import kernels
+
+    out = np.zeros(16, dtype=np.uint8)
+    kernels.compile_scatter(np.dtype(np.uint8))
+    before = len(kernels._scatter.signatures)
+    values = np.arange(8, dtype=np.uint8)
+    values.flags.writeable = False
+    scatter(out, np.arange(0, 16, 2, dtype=np.int64)[::1], values)
+    scatter(out, np.arange(16, dtype=np.int32)[::2], np.arange(16, dtype=np.uint8)[1::2])
+    assert len(kernels._scatter.signatures) == before
+    assert out.tolist() == [1, 0, 3, 0, 5, 0, 7, 0, 9, 0, 11, 0, 13, 0, 15, 0]

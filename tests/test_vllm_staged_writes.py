@@ -89,10 +89,10 @@ def test_a_noop_delta_establishes_the_engines_version_and_staged_items_hold_only
     assert len(staged.prepared) == len(step.manifest.items)
     ready = [p for p in staged.prepared.values() if p.ready]
     assert ready, "no item was made ready on a one-rank CPU engine"
-    for p in ready:  # new bits (2 bytes, BF16) and a 32-bit storage index per changed element
-        assert p.current is None and p.values is None and p.new is not None
-        assert p.located[0].index.dtype.itemsize == 4
-        assert p.nbytes == p.count * 6 + (p.differs.nbytes if p.differs is not None else 0)
+    for p in ready:  # new bits (2 bytes, BF16) and a 32-bit storage index per changed element, nothing else
+        assert p.current is None and p.values is None and p.new is not None and 0 < p.new.size <= p.count
+        assert p.located[0].index.dtype.itemsize == 4 and p.located[0].index.size == p.new.size
+        assert p.nbytes == p.new.size * 6
     report = receiver.apply(step)
     assert report.status == "applied" and report.staged == report.items == len(step.manifest.items)
     assert report.written_elements == sum(it.changed_elements for it in step.manifest.items)

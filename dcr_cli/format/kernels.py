@@ -450,6 +450,11 @@ def scatter(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
     """
     if out.ndim != 1 or index.ndim != 1 or values.shape != index.shape or values.dtype != out.dtype:
         raise ValueError(f"scatter: 1-D {out.dtype} storage, indices and values of one length (got {values.dtype})")
+    # One compiled variant per dtype and index width (compile_scatter): strided or read-only inputs are copied.
+    if not (values.flags.c_contiguous and values.flags.writeable):
+        values = np.array(values)
+    if not (index.flags.c_contiguous and index.flags.writeable):
+        index = np.array(index)
     if index.size and _scatter(out, index, values) != index.size:
         raise IndexError(f"scatter: an index is outside the storage of {out.size} elements")
 

@@ -151,8 +151,8 @@ class Prepared:
     """An item decoded and located on this rank, with its elements as the first pass read them.
 
     On a fresh apply the first pass also computes the item's new bits (checked against ``post``)
-    and, where this rank holds the item's only copy, keeps just those and where they differ from
-    the elements read: the write pass then only writes.
+    and, where this rank holds the item's only copy, keeps just the elements that change, with
+    their storage indices: the write pass then only writes.
     """
 
     values: np.ndarray | None  # the decoded data values (XOR masks or absolute values); None once ``new`` is known
@@ -161,13 +161,13 @@ class Prepared:
     current: np.ndarray | None = None  # the item's elements (all ranks) when first read
     digest: str | None = None  # their digest (None: replicas disagree)
     new: np.ndarray | None = None  # the bits to write, checked against ``post`` (a fresh apply's pending item)
-    # Where ``new`` differs from ``current`` (None: everywhere), for the one-copy write; then ``current`` is dropped.
-    differs: np.ndarray | None = None
-    ready: bool = False  # ``new`` and ``differs`` are all the write needs (one copy, no cast, on the CPU)
+    # ``new`` and the one destination's indices are all the write needs, and only the elements that change
+    # are left in them (one copy, no cast, on the CPU).
+    ready: bool = False
 
     @property
     def nbytes(self) -> int:
-        held = [a for a in (self.values, self.current, self.new, self.differs) if a is not None]
+        held = [a for a in (self.values, self.current, self.new) if a is not None]
         held += [a for at in self.located for a in (at.hit, at.index) if isinstance(a, np.ndarray)]
         return sum(a.nbytes for a in held)
 
@@ -362,12 +362,9 @@ class EngineReceiver:
             at = located[0]
             assert not at.dest.cast(placement.dtype) and at.index.size == new.size
             differs = current != new
-            count = int(np.count_nonzero(differs))
-            if count == new.size:
-                _write_elements(at.flat.numpy(), at.index, new.view(_np_int(placement.dtype)))
-            elif count:
-                _write_elements(at.flat.numpy(), at.index[differs], new[differs].view(_np_int(placement.dtype)))
-            return count
+            if bool(differs.all()):
+                return self._write_ready(placement, at, at.index, new)
+            return self._write_ready(placement, at, at.index[differs], new[differs])
         written = 0
         for at in located:
             want = torch.from_numpy(np.ascontiguousarray(new[at.hit]).view(_np_int(placement.dtype)))
@@ -587,10 +584,6 @@ class EngineReceiver:
             self._overlap_fetch = False
         if mode == "noop":
             return mode
-        for width in sorted(
-            {TORCH_DTYPES[delta.manifest.tensors[it.tensor].dtype].itemsize for it in delta.manifest.items}
-        ):
-            compile_scatter(numpy_int(width))  # before the pause: its writes never wait for the compiler
         phases = {"prepare_check": time.perf_counter() - started, "fingerprint": self._fingerprint_seconds}
         started = time.perf_counter()
         resuming = mode == "resume"
@@ -767,14 +760,17 @@ class EngineReceiver:
         for name, items in _grouped(delta):
             placement = self.placement(name, delta.manifest.tensors[name])
             todo += [(k, item, placement) for k, item in items if not (skip and k in skip)]
-        self.resident()  # collected once, before any thread reads it
+        resident = self.resident()  # collected once, before any thread reads it
+        widths = {resident[d.param].element_size() for _, _, p in todo for d in p.destinations}
+        for width in sorted(widths):  # here, before the pause (and agreed): its writes never wait for the compiler
+            compile_scatter(numpy_int(width))
 
         def task(k: int, item: Item, placement: Placement) -> Callable[[], tuple[int, Prepared]]:
             def run() -> tuple[int, Prepared]:
                 prepared = self._read(placement, self._locate_item(delta, item, placement))
                 kind = receiver_plan.classify(prepared.digest, item, resuming, where)
                 if not resuming and kind == "pending":
-                    self._compute_new(item, placement, prepared)
+                    self._compute_new(delta, item, placement, prepared)
                 return k, prepared
 
             return run
@@ -800,30 +796,31 @@ class EngineReceiver:
         located = self.locate(placement, _to_canonical_index(item, positions, placement.shape))
         return Prepared(decoded.values, located, len(positions))
 
-    def _compute_new(self, item: Item, placement: Placement, prepared: Prepared) -> None:
+    def _compute_new(self, delta: Delta, item: Item, placement: Placement, prepared: Prepared) -> None:
         """A fresh apply's pending item: its new bits, checked against ``post`` (raises before any write).
 
-        Where this rank holds the item's only copy (one rank, one destination, no cast, on the
-        CPU) it then keeps just what the write needs: the new bits, where they differ from the
-        elements read, and 32-bit storage indices where the parameter allows them.
+        Through a widening loader those are the item's absolute repair values (read here, before the
+        pause). Where this rank holds the item's only copy (one rank, one destination, no cast, CPU
+        memory) only the elements that change are kept, with 32-bit storage indices where the
+        parameter allows them: what the write needs, and no more.
         """
-        if item.op == "xor" and item.repair is None:
-            raise IntegrityError(f"{item.tensor}: an xor item needs its repair section, which is missing")
-        if any(d.cast(placement.dtype) for d in placement.destinations):
-            return  # a widening loader: the write takes the absolute repair values (apply_item)
+        _require_repair(item)
+        casts = _casts(placement)
         assert prepared.current is not None and prepared.values is not None
-        new = receiver_plan.new_values(item, "pending", prepared.current, prepared.values, _no_repair)
-        prepared.new, prepared.values = new, None
-        one_copy = len(prepared.located) == 1 and self.single and prepared.located[0].flat.device.type == "cpu"
-        if not one_copy:
+        new = receiver_plan.new_values(
+            item, "pending", prepared.current, prepared.values, lambda: delta.repair_values(item), absolute=casts
+        )
+        current, prepared.current, prepared.values, prepared.new = prepared.current, None, None, new
+        if casts or len(prepared.located) != 1 or not self.single or prepared.located[0].flat.device.type != "cpu":
             return
         at = prepared.located[0]
         assert at.index.size == new.size
-        differs = prepared.current != new
-        prepared.differs = None if bool(differs.all()) else differs
-        prepared.current, prepared.ready = None, True
+        differs = current != new
+        if not bool(differs.all()):  # overwrite/replace items may leave elements as they are
+            at.index, prepared.new = at.index[differs], new[differs]
         if at.flat.numel() <= np.iinfo(np.int32).max and at.index.dtype != np.int32:
-            at.index = at.index.astype(np.int32)  # half the memory kept; numpy scatters through it as fast
+            at.index = at.index.astype(np.int32)  # half the memory kept; the write kernel is as fast with it
+        prepared.ready = True
 
     def _read(self, placement: Placement, prepared: Prepared) -> Prepared:
         """Read the item's elements as held now (all ranks) and their digest (None: replicas disagree)."""
@@ -836,43 +833,35 @@ class EngineReceiver:
     ) -> tuple[str, int]:
         """Classify and write one item. A fresh apply uses the first pass's reading of its elements
         (nothing has written them since: items do not overlap); a resume reads them again."""
-        if prepared is not None and not resuming and prepared.ready:
-            assert prepared.new is not None  # computed and checked by the first pass (_compute_new)
-            return "applied", self._write_ready(placement, prepared.located[0], prepared.new, prepared.differs)
-        if prepared is None:
-            prepared = self._read(placement, self._locate_item(delta, item, placement))
-        elif resuming or prepared.current is None:
-            if prepared.values is None:  # the first pass kept only its new bits: decode again
-                prepared = self._locate_item(delta, item, placement)
+        if prepared is not None and not resuming and prepared.new is not None:
+            # The first pass classified it pending from the elements it read (nothing but dcr writes
+            # them, and items do not overlap) and computed and checked its new bits (_compute_new).
+            if prepared.ready:
+                at = prepared.located[0]
+                return "applied", self._write_ready(placement, at, at.index, prepared.new)
+            return "applied", self.write(placement, prepared.located, prepared.new)
+        if prepared is None or prepared.values is None:  # nothing kept, or only new bits: decode again
+            prepared = self._locate_item(delta, item, placement)
+        if resuming or prepared.current is None:
             prepared = self._read(placement, prepared)
-        assert prepared.current is not None
+        assert prepared.current is not None and prepared.values is not None
         kind = receiver_plan.classify(prepared.digest, item, resuming, "vLLM engine")
         if kind == "done":
             return "done", 0
         # Through a widening loader no mask on stored bits carries over: take the absolute values.
-        casts = any(d.cast(placement.dtype) for d in placement.destinations)
-        if item.op == "xor" and item.repair is None:
-            raise IntegrityError(f"{item.tensor}: an xor item needs its repair section, which is missing")
-        if prepared.new is not None and kind == "pending" and not casts:
-            new = prepared.new  # the first pass computed and checked it from these same elements
-        else:
-            assert prepared.values is not None
-            new = receiver_plan.new_values(
-                item, kind, prepared.current, prepared.values, lambda: delta.repair_values(item), absolute=casts
-            )
+        casts = _casts(placement)
+        _require_repair(item)
+        new = receiver_plan.new_values(
+            item, kind, prepared.current, prepared.values, lambda: delta.repair_values(item), absolute=casts
+        )
         written = self.write(placement, prepared.located, new, None if casts else prepared.current)
         return ("applied" if kind == "pending" else "repaired"), written
 
-    def _write_ready(self, placement: Placement, at: Located, new: np.ndarray, differs: np.ndarray | None) -> int:
-        """The one-copy write of an item the first pass made ready: its new bits where they differ."""
-        flat, bits = at.flat.numpy(), new.view(_np_int(placement.dtype))
-        if differs is None:
-            _write_elements(flat, at.index, bits)
-            return int(new.size)
-        count = int(np.count_nonzero(differs))
-        if count:
-            _write_elements(flat, at.index[differs], bits[differs])
-        return count
+    def _write_ready(self, placement: Placement, at: Located, index: np.ndarray, new: np.ndarray) -> int:
+        """The one-copy write: ``new`` at storage ``index`` of ``at``, every one of them a change; their count."""
+        if new.size:
+            _write_elements(at.flat.numpy(), index, new.view(_np_int(placement.dtype)))
+        return int(new.size)
 
     # ------------------------------------------------------------------ verify
 
@@ -927,8 +916,14 @@ def _to_canonical_index(item: Item, positions: np.ndarray, shape: tuple[int, ...
     return region.to_canonical(positions, shape)
 
 
-def _no_repair() -> np.ndarray:
-    raise AssertionError("a pending item's new values come from its data values")  # new_values never asks
+def _casts(placement: Placement) -> bool:
+    """Whether a destination widens (a BF16 checkpoint in an FP32 engine): no XOR mask carries over there."""
+    return any(d.cast(placement.dtype) for d in placement.destinations)
+
+
+def _require_repair(item: Item) -> None:
+    if item.op == "xor" and item.repair is None:
+        raise IntegrityError(f"{item.tensor}: an xor item needs its repair section, which is missing")
 
 
 def _np_int(dtype: torch.dtype) -> np.dtype:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -51,13 +50,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...delta.prefetch import BlockFetcher
 from ...delta.reader import Delta
-from ...errors import DcrError, IntegrityError
-from ...format.manifest import BLOCKS_DIR, MANIFEST_NAME, TensorEntry
+from ...errors import DcrError
+from ...format.manifest import TensorEntry
 from ...format.strict_json import load_json
 from .apply import EngineReceiver, Exchange, single_rank
 from .client import open_in_frozen_heap
+from .node_copy import download_data_blocks, read_through_copy
 
 BACKEND_NAME = "dcr"
 RPC_METHOD = "dcr_rpc"
@@ -113,41 +112,54 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         # as it is, with the blocks that prepare fetched and checked (a remote delta's are kept by its
         # fetchers), so the pause fetches nothing again and parses no manifest again.
         self.prepared: tuple[str, Delta] | None = None
-        self.spool: str | None = None  # the node-local copy of a remote delta this rank downloaded (open_delta)
+        self.spool: str | None = None  # the node-local copy of a remote delta's blocks this rank made (open_delta)
 
     def open_delta(self, location: str) -> Delta:
         """The delta at ``location``, as this rank reads it.
 
         On one rank, or for a delta on this node's filesystem, that is the delta itself. A remote
         delta on several ranks (tensor parallel): the first rank of each node downloads its data
-        blocks once, each checked whole (size and digest), into a node-local directory, and every
-        rank of the node reads that copy, so an engine of N ranks per node moves the payload over the
-        node's link once, not N times. A resume (``applying``) reads the delta where it is: its torn
-        items may need repair blocks, which the copy does not hold. Every step is agreed: a rank that
-        fails fails every rank, and none is left waiting in an exchange.
+        blocks once, each checked whole, into a private node-local directory, and every rank of the
+        node reads them there (node_copy.py), so an engine of N ranks per node moves the payload over
+        the node's link once, not N times; repair blocks are read where they are, as before. Where
+        a node cannot hold the copy (a full disk), or a rank cannot see its leader's directory, every
+        rank reads the delta where it is. Every step is agreed or exchanged by every rank in the same
+        order: a rank that fails fails every rank, and none is left waiting in an exchange.
         """
         self.drop_spool()
         receiver = self.receiver
         delta = receiver.agree(lambda: open_in_frozen_heap(location))
-        if receiver.single or not delta.source.remote or receiver.state.applying is not None:
+        if receiver.single or not delta.source.remote or not all(receiver.exchange(self._reads_blocks(delta))):
             return delta
-        nodes = receiver.exchange((socket.gethostname(), os.getpid()))
-        host = nodes[receiver.rank][0]
-        leader = min(r for r, (h, _) in enumerate(nodes) if h == host)
-        copy = os.path.join(tempfile.gettempdir(), f"dcr-engine-{os.getuid()}", f"{delta.id}-{nodes[leader][1]}")
-        if receiver.rank == leader:
-            self.spool = copy
-        receiver.agree(lambda: _download(delta, copy) if receiver.rank == leader else None)
-        local = receiver.agree(lambda: _open_copy(copy, delta))
-        delta.cancel_fetches()
-        return local
+        hosts = receiver.exchange(socket.gethostname())
+        leader = min(r for r, host in enumerate(hosts) if host == hosts[receiver.rank])
+        try:
+            made = receiver.agree(lambda: download_data_blocks(delta) if receiver.rank == leader else None)
+            if receiver.rank == leader:
+                self.spool = made
+            directory = receiver.exchange(made)[leader]
+            if not all(receiver.exchange(directory is not None and os.path.isdir(directory))):
+                self.drop_spool()
+                return delta
+            assert directory is not None
+            return read_through_copy(delta, directory)
+        except BaseException:
+            self.drop_spool()
+            raise
+
+    def _reads_blocks(self, delta: Delta) -> bool:
+        """Whether applying ``delta`` will read its data blocks: not where the engine holds its target already
+        or another version than its base (its check then finds nothing to do, or refuses)."""
+        state = self.receiver.state
+        if state.applying is not None or state.fingerprint is None:
+            return True
+        return state.fingerprint == delta.manifest.base.fingerprint
 
     def drop_spool(self) -> None:
         """Remove the node-local copy this rank downloaded (every rank of the node is done with it)."""
         spool, self.spool = self.spool, None
         if spool is not None:
             shutil.rmtree(spool, ignore_errors=True)
-            shutil.rmtree(f"{spool}.partial", ignore_errors=True)  # a download that failed
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
         pass  # nothing to connect: deltas are read from where update_info points
@@ -305,28 +317,6 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
             table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in args["table"].items()}
         return {"ok": True, **receiver.verify(table)}
     raise DcrError(f"unknown dcr_rpc op {op!r}")
-
-
-def _download(delta: Delta, copy: str) -> None:
-    """A local delta directory at ``copy`` with ``delta``'s manifest and data blocks, each checked whole."""
-    partial = f"{copy}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(os.path.join(partial, BLOCKS_DIR))
-    blocks = list({b.id: b for b in delta.manifest.blocks if b.role == "data"}.values())
-    with BlockFetcher(delta.source, blocks, spool=partial) as fetcher:
-        for block in blocks:
-            fetcher.keep(block.id, os.path.join(partial, block.path))  # size and digest checked first
-    with open(os.path.join(partial, MANIFEST_NAME), "wb") as out:
-        out.write(delta.raw_manifest())  # read again: IntegrityError unless it is still the one opened
-    shutil.rmtree(copy, ignore_errors=True)
-    os.replace(partial, copy)
-
-
-def _open_copy(copy: str, delta: Delta) -> Delta:
-    local = open_in_frozen_heap(copy)
-    if local.id != delta.id:
-        raise IntegrityError(f"{copy}: this node's copy of {delta.label} is not that delta; apply it again")
-    return local
 
 
 def engine_rank_or_zero() -> int:

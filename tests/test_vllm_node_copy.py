@@ -1,0 +1,109 @@
+"""receive/vllm/node_copy.py: a remote delta's data blocks downloaded once per node, read by every rank.
+
+Without an engine (tests/test_vllm_tp.py runs the whole path in a TP=2 vLLM): a real S3 endpoint
+(moto) behind a proxy that counts requests, and the delta of two small checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_dcr
+from store_fixtures import CountingProxy, S3Endpoint, make_deltas
+
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import IntegrityError
+from dcr_cli.receive.vllm import node_copy
+
+
+@pytest.fixture
+def remote(
+    tmp_path: Path, s3_endpoint: S3Endpoint, s3_url: str
+) -> Iterator[tuple[Path, Callable[[], Delta], CountingProxy]]:
+    """d1 published on an S3 store; a function opening it by its store location through a counting proxy."""
+    _, (d1,) = make_deltas(tmp_path, 1)
+    run_dcr("push", str(d1), s3_url, "-S", f"endpoint_url={s3_endpoint.url}", env=s3_endpoint.env(), check=True)
+    proxy = CountingProxy(s3_endpoint.url)
+    location = f"{s3_url}/manifests/{Delta.open(d1).id}.json"
+    options = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        yield d1, lambda: Delta.open(location, storage_options=options), proxy
+    finally:
+        proxy.close()
+
+
+def _gets(proxy: CountingProxy, block_id: str) -> int:
+    with proxy.lock:
+        return sum(n for (method, path), n in proxy.requests.items() if method == "GET" and path.endswith(block_id))
+
+
+def test_every_rank_reads_the_nodes_copy_and_repair_blocks_from_the_store(
+    remote: tuple[Path, Callable[[], Delta], CountingProxy],
+) -> None:
+    local, open_remote, proxy = remote
+    leader = open_remote()
+    directory = node_copy.download_data_blocks(leader)
+    assert directory is not None
+    try:
+        assert (os.stat(os.path.dirname(directory)).st_mode & 0o777) == 0o700
+        ranks = [node_copy.read_through_copy(open_remote(), directory) for _ in range(2)]
+        for delta in ranks:
+            delta.prefetch_blocks()  # the data blocks are local: checked here, nothing fetched
+            delta.verify_blocks()
+            for item in delta.manifest.items:  # decodes as the delta directory does, section digests checked
+                want = Delta.open(local).decode(item)
+                assert np.array_equal(delta.decode(item).values, want.values)
+        blocks = leader.manifest.blocks
+        assert all(_gets(proxy, b.id) == (1 if b.role == "data" else 0) for b in blocks)  # once, by the leader
+        # A torn item's repair values come from the store, as before (the copy holds data blocks only).
+        item = next(it for it in ranks[0].manifest.items if it.repair is not None)
+        repair = ranks[0].manifest.blocks[item.repair.block]
+        assert np.array_equal(ranks[0].repair_values(item), Delta.open(local).repair_values(item))
+        assert _gets(proxy, repair.id) >= 1
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_corrupt_block_on_the_store_fails_and_leaves_no_copy(
+    remote: tuple[Path, Callable[[], Delta], CountingProxy], s3_endpoint: S3Endpoint
+) -> None:
+    _, open_remote, _ = remote
+    delta = open_remote()
+    block = next(b for b in delta.manifest.blocks if b.role == "data")
+    fs = s3_endpoint.filesystem()
+    path = delta.block_path(block).removeprefix("s3://")
+    raw = bytearray(fs.cat_file(path))
+    raw[len(raw) // 2] ^= 0x01
+    fs.pipe_file(path, bytes(raw))
+    root = Path(tempfile.gettempdir()) / f"dcr-engine-{os.getuid()}"
+    before = set(root.iterdir()) if root.exists() else set()
+    with pytest.raises(IntegrityError, match="corrupt"):
+        node_copy.download_data_blocks(open_remote())
+    assert set(root.iterdir()) == before  # the partial copy is removed
+
+
+def test_a_link_in_place_of_the_private_directory_is_not_followed(
+    remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks then read the delta where it is (None), instead of writing where someone else points them."""
+    _, open_remote, _ = remote
+    shared, elsewhere = tmp_path / "tmp", tmp_path / "elsewhere"
+    shared.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    (shared / f"dcr-engine-{os.getuid()}").symlink_to(elsewhere)
+    assert node_copy.download_data_blocks(open_remote()) is None
+    assert list(elsewhere.iterdir()) == []
+    # A looser mode of the user's own directory is tightened, then used.
+    (shared / f"dcr-engine-{os.getuid()}").unlink()
+    (shared / f"dcr-engine-{os.getuid()}").mkdir()
+    os.chmod(shared / f"dcr-engine-{os.getuid()}", 0o777)
+    directory = node_copy.download_data_blocks(open_remote())
+    assert directory is not None and Path(directory).parent == shared / f"dcr-engine-{os.getuid()}"
+    assert (os.stat(Path(directory).parent).st_mode & 0o777) == 0o700
