@@ -140,3 +140,25 @@ def test_api_squash_apply_and_verify_check_workers_and_level(tmp_path: Path) -> 
     assert not (a / ".dcr").exists()  # nothing written, not even the receiver's state directory
     with pytest.raises(IncompatibleError, match="workers must be an integer"):
         dcr_cli.verify(a, against=delta, workers=0)
+
+
+def test_a_producer_never_removes_the_delta_of_a_committed_version(tmp_path: Path) -> None:
+    """Only an earlier, uncommitted attempt at a version (from the current baseline) is replaced. Before,
+    reusing an older committed label removed that committed delta (``out/v1`` became ``v2 -> v1``)."""
+    out = tmp_path / "deltas"
+    producer = dcr_cli.Producer(out, baseline=_state(0), base_version="v0")
+    for i in (1, 2):
+        producer.diff(_state(i), version=f"v{i}")
+        producer.committed(f"v{i}")
+    kept = _tree(out / "v1")
+    with pytest.raises(IncompatibleError, match="committed already"):
+        producer.diff(_state(3), version="v1")
+    # A producer started afresh from v2 (it does not remember v1): the delta's own base tells.
+    again = dcr_cli.Producer(out, baseline=_state(2), base_version="v2")
+    with pytest.raises(IncompatibleError, match="not an attempt from the baseline v2"):
+        again.diff(_state(3), version="v1")
+    assert _tree(out / "v1") == kept
+    again.diff(_state(3), version="v3")
+    first = _tree(out / "v3")
+    again.diff(_state(4), version="v3")  # an uncommitted attempt is replaced, as before
+    assert _tree(out / "v3") != first and _tree(out / "v1") == kept

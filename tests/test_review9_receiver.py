@@ -139,3 +139,37 @@ def test_replaced_files_whose_untouched_tensors_moved_are_still_refused(
     proc = run_dcr("apply", str(delta), "--into", str(recv))
     assert proc.returncode == 2 and "is not at the base of" in proc.stderr, proc.stderr
     assert read_bits(recv) == before
+
+
+def test_a_file_of_another_version_renamed_over_an_interrupted_apply_is_not_written_over(
+    chain: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The untouched tensors matching the base is not enough: a replaced file's touched tensors must hold the
+    base's or the target's bits. Here another writer renames a shard of a third version (its untouched
+    tensors, frozen layers, the same) over an apply that was interrupted before its first write. Before,
+    the re-run resumed and wrote the delta's items over that file, then failed on every later run."""
+    a, _, delta = chain
+    recv = tmp_path / "recv"
+    shutil.copytree(a, recv)
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # the apply is killed after it recorded "applying", before any write
+
+    monkeypatch.setattr(applier, "write_items", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dcr_cli.apply(delta, into=recv)
+    monkeypatch.undo()
+    assert _state(recv)["applying"] is not None
+
+    third = {}
+    for name, raw in read_bits(a).items():
+        bits = np.frombuffer(raw, np.uint16).copy()
+        if name not in ("t2", "t5", "t8"):  # the tensors the delta touches move elsewhere
+            bits[::7] ^= np.uint16(3)
+        third[name] = tensor_from_bits(bits, "BF16", (40, 100))
+    write_checkpoint(tmp_path / "third", third, shards=SHARDS)
+    _rename_over(tmp_path / "third" / _shard(recv).name, _shard(recv))
+    before = read_bits(recv)
+    proc = run_dcr("apply", str(delta), "--into", str(recv))
+    assert proc.returncode == 2 and "is not at the base of" in proc.stderr, proc.stderr
+    assert read_bits(recv) == before  # the other writer's file is as it left it

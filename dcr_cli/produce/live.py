@@ -35,14 +35,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..checkpoints.shards import Chunk, ShardCheckpoint, ShardReader, StoredTensor, identity_canonical, intersect
+from ..delta.reader import Delta
 from ..delta.summary import DiffSummary, summarize
-from ..errors import IncompatibleError
+from ..errors import DcrError, IncompatibleError
 from ..format.codec import DEFAULT_LEVEL, EncodedItem, encode_changes
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.dtypes import from_torch, numel, torch_int
 from ..format.kernels import scan_changes
-from ..format.manifest import Op, Region, TensorEntry
+from ..format.manifest import MANIFEST_NAME, Op, Region, TensorEntry
 from ..format.store_records import is_label
 from .engine import check_options, execute
 from .plan import Plan, assign_tensors, check_compatible, check_layouts, plan_shards, plan_tensors
@@ -596,6 +597,7 @@ class Producer:
         self._baseline: _Layout | None = None
         self._base_digests: dict[str, str] | None = None
         self._pending: dict[str, tuple[list[Change], dict[str, str]]] = {}
+        self._committed: set[str] = set()  # labels this producer committed (never a new version's)
         if self._source is None:
             assert not isinstance(baseline, (str, os.PathLike))
             self._baseline = self._snapshot(baseline)
@@ -684,6 +686,11 @@ class Producer:
             self._baseline = self._from_checkpoint(state)
         (current,) = _layouts([state], self.names, self.profile, self.group)
         target = self.out / version
+        # Rank 0 writes out/: it alone looks, and every rank learns its verdict (none waits for a rank that refused).
+        verdict = self._replaceable(target, version) if self.group.rank == 0 else None
+        refusal = self.group.all_gather(verdict)[0]
+        if refusal:
+            raise IncompatibleError(refusal)
         if target.exists() and self.group.rank == 0:
             shutil.rmtree(target)  # an earlier, uncommitted attempt at this version
         self.group.barrier()
@@ -700,6 +707,23 @@ class Producer:
             self.on_delta(target)
         return summary
 
+    def _replaceable(self, target: Path, version: str) -> str | None:
+        """Why ``out/<version>`` must not be replaced (None: it may). Only an earlier attempt at this version
+        from the current baseline may be: a delta of a version committed before (its base is another
+        version) is a published step of the chain, and it stays."""
+        if version in self._committed:
+            return f"version {version!r} was committed already: give the new version a new label"
+        try:
+            base = Delta.open(target).manifest.base.version if (target / MANIFEST_NAME).is_file() else None
+        except DcrError:
+            base = None  # not a readable delta: an attempt cut short, replaced
+        if base is not None and base != self.base_version:
+            return (
+                f"{target} holds the delta {base} -> {version}, not an attempt from the baseline "
+                f"{self.base_version}: give the new version a new label, or move that delta away"
+            )
+        return None
+
     def committed(self, version: str) -> None:
         """``version`` is committed (every receiver acknowledged it): it becomes the baseline."""
         if version not in self._pending:
@@ -708,6 +732,7 @@ class Producer:
         advance(changes)
         self._pending.clear()
         self._base_digests = digests
+        self._committed.update(v for v in (self.base_version, version) if v is not None)
         self.base_version = version
 
 

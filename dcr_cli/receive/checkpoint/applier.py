@@ -677,16 +677,29 @@ def _establish(
             table = read_recorded_table(root, base.fingerprint)
             return _Start(base.fingerprint, base.version, table, resume, list(state.history)), state
         say(f"{root}: the files of the interrupted apply were replaced since; re-hashing")
-        # Replaced (say, renamed over by another writer while the apply ran): where every tensor no item
-        # touches still holds its base digest, the apply resumes; each item is classified by its own
-        # digests (done, pending, or torn: rewritten with its absolute target values) and the proof
-        # then covers every touched tensor, as after a crash.
+        # Replaced (say, renamed over by another writer while the apply ran): the apply resumes where every
+        # tensor no item touches still holds its base digest and every tensor of a replaced file holds its
+        # base or its target digest (another writer's copy of either end; only the files dcr itself was
+        # writing may hold torn items). Each item is then classified by its own digests (done, pending,
+        # or torn: rewritten with its absolute target values) and the proof covers every touched tensor,
+        # as after a crash. Anything else (a replaced file of another version) is hashed as it stands.
         table = digest_tensors(files, workers)
         base_table = read_recorded_table(root, base.fingerprint)
+        target_table = resume.manifest.tensors
         untouched = set(resume.manifest.tensors) - receiver_plan.touched(resume.manifest)
-        if base_table is not None and all(
-            n in table and n in base_table and table[n].digest == base_table[n].digest for n in untouched
-        ):
+        replaced = _replaced_files(state.files, now)
+        in_replaced = [n for n, loc in ckpt.tensors.items() if os.path.relpath(loc.file, root.resolve()) in replaced]
+
+        held = {n: e.digest for n, e in table.items()}
+        base_digests = {n: e.digest for n, e in (base_table or {}).items()}
+
+        def at_base(n: str) -> bool:
+            return n in held and held[n] == base_digests.get(n)
+
+        def at_an_end(n: str) -> bool:
+            return at_base(n) or (n in held and n in target_table and held[n] == target_table[n].digest)
+
+        if base_table is not None and all(at_base(n) for n in untouched) and all(at_an_end(n) for n in in_replaced):
             return _Start(base.fingerprint, base.version, base_table, resume, list(state.history)), state
         fp = fingerprint(table)
         return _Start(fp, _label(fp, opened), table, None, []), state
@@ -701,6 +714,14 @@ def _establish(
     table = digest_tensors(files, workers)
     fp = fingerprint(table)
     return _Start(fp, _label(fp, opened), table, None, []), state
+
+
+def _replaced_files(recorded: dict[str, list[int]], now: dict[str, list[int]]) -> set[str]:
+    """The files (relative names) that are not the ones recorded: another name, size or inode, or new."""
+    return {
+        name for name, st in now.items()
+        if len(recorded.get(name) or ()) != 4 or (recorded[name][0], recorded[name][3]) != (st[0], st[3])
+    }  # fmt: skip
 
 
 def warm_up() -> None:
