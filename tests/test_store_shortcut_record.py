@@ -7,6 +7,7 @@ every dcr compact."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +102,44 @@ def test_gc_stops_on_a_transient_read_of_a_shortcut_record_before_dropping_a_dam
     result = gc(s3_url, keep=4, grace_s=0, storage_options=opts)
     assert list(result.dropped_shortcuts) == ["v1..v2"]
     assert sorted(s.record.version for s in shortcuts(store)) == ["v3", "v4"]
+
+
+def test_a_record_of_major_0_is_damage_and_only_a_newer_major_asks_for_an_upgrade(tmp_path: Path) -> None:
+    """Before, any major other than this dcr's (a flipped bit: 0) was taken for a newer dcr's record: gc
+    stopped for good, and every receiver was told to upgrade."""
+    url = str(tmp_path / "store")
+    _store(tmp_path, url, {})
+    store = Store(url)
+    rel = "shortcuts/v1/v3.json"
+
+    def with_major(major: int) -> bytes:
+        record = json.loads(store.read(rel))
+        record["format_version"][0] = major
+        return json.dumps(record).encode()
+
+    store.put(rel, with_major(0))
+    proc = run_dcr("gc", url, "--keep", "4", "--grace", "0")
+    assert proc.returncode == 0 and "dropped shortcut v1..v3, as its record is damaged" in proc.stdout, proc.stderr
+    compact(url, every=2)  # published again
+    store.put(rel, with_major(2))
+    line = one_error_line(run_dcr("gc", url, "--keep", "4", "--grace", "0"))
+    assert "newer" in line or "upgrade" in line, line
+    assert store.exists(rel)
+
+
+def test_a_record_that_is_another_shortcuts_is_damage_before_compact_squashes(tmp_path: Path) -> None:
+    """A record copied over another's path (shortcuts/v1/v3.json holding v3..v5's): before, every dcr compact
+    squashed and uploaded, then failed blaming "another writer", and gc never dropped it."""
+    url = str(tmp_path / "store")
+    _store(tmp_path, url, {})
+    store = Store(url)
+    rel = "shortcuts/v1/v3.json"
+    record = json.loads(store.read(rel))
+    record["base"]["version"], record["version"] = "v0", "v2"
+    store.put(rel, json.dumps(record).encode())
+    before = _objects(store)
+    line = one_error_line(run_dcr("compact", url, "--every", "2"))
+    assert "damaged shortcut record" in line and "of shortcut v0..v2" in line, line
+    assert _objects(store) == before  # refused before the squash: nothing uploaded
+    proc = run_dcr("gc", url, "--keep", "4", "--grace", "0")
+    assert proc.returncode == 0 and "dropped shortcut v1..v3, as its record is damaged" in proc.stdout, proc.stderr

@@ -190,6 +190,8 @@ def read_shortcut(store: Store, rel: str) -> Shortcut | None:
         chain = obj.get("chain")
         if not (isinstance(chain, list) and all(isinstance(c, str) for c in chain)):
             raise FormatError(f"{where}: shortcut chain must be a list of versions")
+        if shortcut_label(rel) != f"{record.base.version}..{record.version}":  # another record copied over it
+            raise FormatError(f"{where}: the record is of shortcut {record.base.version}..{record.version}")
     except FormatError as exc:
         if _newer_major(raw):
             raise
@@ -203,7 +205,8 @@ def _newer_major(raw: bytes) -> bool:
     except FormatError:
         return False
     version = obj.get("format_version") if isinstance(obj, dict) else None
-    return isinstance(version, list) and bool(version) and isinstance(version[0], int) and version[0] != STORE_MAJOR
+    # Only a major above this dcr's is "newer" (upgrade dcr); any other is a damaged record (major 0, a flipped bit).
+    return isinstance(version, list) and bool(version) and isinstance(version[0], int) and version[0] > STORE_MAJOR
 
 
 def shortcut_label(rel: str) -> str:

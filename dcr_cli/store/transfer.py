@@ -314,6 +314,8 @@ def push(
                     f"{url}: version {version!r} was just published by another producer (manifest "
                     f"{winner.manifest[:16]}…); this push lost the race and published nothing"
                 ) from None
+            # The same delta, published by a concurrent push of it: that push says "published", not this one.
+            existing = winner
     published_s = time.monotonic() - started
     result = PushResult(
         store=url,
