@@ -35,7 +35,6 @@ import numpy as np
 from ..checkpoints.safetensors_dir import SafetensorsCheckpoint
 from ..delta.reader import Delta
 from ..delta.source import CHUNK_BYTES
-from ..delta.squash import UnsquashableError, squash
 from ..errors import ConflictError, DcrError, FormatError, IncompatibleError, IntegrityError
 from ..format.digest import StreamingDigest, is_digest
 from ..format.manifest import BlockEntry, fingerprint, parse_manifest
@@ -551,6 +550,8 @@ def compact(
                 manifest = parse_manifest(store.manifest_bytes(record))
                 require_repair_blocks(store, record, manifest, f"run dcr compact {url} --every {every} again")
         start = j
+    from ..delta.squash import UnsquashableError, squash  # imports the codec's numba kernels: compact alone pays
+
     previous: Delta | None = None
     done = 0
     with tempfile.TemporaryDirectory(prefix=".dcr-compact-") as tmp:
