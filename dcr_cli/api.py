@@ -35,11 +35,13 @@ def resolve(
     storage_options: dict[str, Any] | None,
     wait: float | None = None,
     on_wait: Callable[[str], None] | None = None,
+    early_fetch: bool = False,
 ) -> list[DeltaLike]:
     """Store URLs become the Delta of one version (``version``, default the newest); the rest is kept.
 
     ``wait``: the one location given is a store URL where ``version`` may not be published yet (nor the
-    store created): wait up to that many seconds for it."""
+    store created): wait up to that many seconds for it (``early_fetch``: fetching the blocks its push
+    announces meanwhile, for a receiver that reads them in this process)."""
     from .store import is_store, open_delta
 
     given = [deltas] if isinstance(deltas, (str, os.PathLike, Delta)) else list(deltas)
@@ -50,7 +52,15 @@ def resolve(
         if isinstance(d, (str, os.PathLike)) and (
             wait is not None or "://" in os.fspath(d) or is_store(os.fspath(d), storage_options)
         ):
-            out.append(open_delta(os.fspath(d), version, storage_options=storage_options, wait=wait, on_wait=on_wait))
+            opened = open_delta(
+                os.fspath(d),
+                version,
+                storage_options=storage_options,
+                wait=wait,
+                on_wait=on_wait,
+                early_fetch=early_fetch,
+            )
+            out.append(opened)
         else:
             out.append(d)
     if version is not None and not any(isinstance(d, Delta) for d in out):
@@ -109,7 +119,11 @@ def apply(
     if wait is not None:
         warm_up()  # while nothing is published yet: the first item then decodes at full speed
     chosen = _catch_up(deltas, since, version, storage_options, log) if since is not None else None
-    opened = chosen if chosen is not None else resolve(deltas, version, storage_options, wait, on_wait)
+    opened = chosen if chosen is not None else resolve(deltas, version, storage_options, wait, on_wait, True)
+    if log:
+        for d in opened:
+            if isinstance(d, Delta) and d.fetched_early:
+                log(f"{d.manifest.target.version}: {d.fetched_early} blocks fetched while its push was still running")
     try:
         result = apply_checkpoint(opened, into=into, workers=workers, verify=verify, log=log)
     finally:
@@ -235,7 +249,7 @@ def _store_producer() -> Callable[..., LiveProducer]:
         def diff(self, state: Mapping[str, Any], version: str) -> DiffSummary | None:
             from .store import BlockUploader, push
 
-            uploader = BlockUploader(self.url, self.storage_options)
+            uploader = BlockUploader(self.url, self.storage_options, announce=version)
             self.on_block = uploader
             try:
                 summary = super().diff(state, version)

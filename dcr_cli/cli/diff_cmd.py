@@ -125,7 +125,8 @@ def command(
                     f"--target-version {target_version!r} is also the base's label: a store cannot publish a "
                     "version under its base's label; label the target differently"
                 )
-        uploader = BlockUploader(push_url, parse_storage_options(storage_option))
+        # A known label: each block is announced as it lands, for receivers waiting for the version.
+        uploader = BlockUploader(push_url, parse_storage_options(storage_option), announce=target_version)
     config = None
     if profile is not None:
         from ..checkpoints.megatron import load_profile

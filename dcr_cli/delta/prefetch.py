@@ -155,6 +155,14 @@ class BlockFetcher:
     def __contains__(self, block_id: str) -> bool:
         return block_id in self._blocks
 
+    @property
+    def ids(self) -> list[str]:
+        """The blocks this fetcher was given, in fetch order."""
+        return list(self._blocks)
+
+    def entry(self, block_id: str) -> BlockEntry:
+        return self._blocks[block_id].entry
+
     # -- the workers ------------------------------------------------------------------------------------------------
 
     def _work(self) -> None:

@@ -67,6 +67,7 @@ class Delta:
     source: BlockSource
     label: str = ""  # for messages (default: the location)
     manifest_path: str = ""  # where the manifest's bytes are, on the source's filesystem
+    fetched_early: int = 0  # blocks fetched while the receiver waited for the version (store/announce.py)
     _fetchers: list[BlockFetcher] = field(default_factory=list, repr=False)  # remote blocks fetched or on the way
     # Sections read and checked ahead by preread, by id of their (live) Section: taken by read_section.
     _preread: dict[int, bytes] = field(default_factory=dict, repr=False)
@@ -281,6 +282,12 @@ class Delta:
             fetcher = self._fetcher_of(block.id)
             assert fetcher is not None
             fetcher.wait_block(block.id)
+
+    def adopt_fetcher(self, fetcher: BlockFetcher) -> None:
+        """Read the blocks ``fetcher`` holds (or is fetching) from it: fetched before this delta was opened,
+        e.g. while a receiver waited for the version (store/announce.py). Its blocks are checked whole by
+        the fetcher, against their ids, as :meth:`prefetch_blocks`' are."""
+        self._fetchers.append(fetcher)
 
     def cancel_fetches(self) -> None:
         """Stop background downloads (a receiver that failed no longer needs them); blocks that had not

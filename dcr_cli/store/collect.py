@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import DcrError, IntegrityError
 from ..format.manifest import parse_manifest
 from .backends import TMP_PREFIX
-from .repo import BLOCKS, MANIFESTS, VERSIONS, Listing, Store, VersionRecord, is_label
+from .repo import ANNOUNCED, BLOCKS, MANIFESTS, VERSIONS, Listing, Store, VersionRecord, is_label
 
 DEFAULT_GRACE_S = 3600.0
 BATCH = 256  # deletions between two reads of the live set
@@ -46,6 +46,7 @@ class GcResult:
     young_unreferenced: int  # unreferenced but within the grace period (maybe a push in progress)
     dry_run: bool
     removed_keyframe_files: int = 0  # objects under keyframes/<v>/ no record names (a publish stopped half-way)
+    removed_announcements: int = 0  # hints under announced/<v>/: of published versions, or older than the grace
     # Shortcut records dropped because their manifest is missing or corrupt (store-v1 §6.4): "base..target" -> why.
     dropped_shortcuts: dict[str, str] = field(default_factory=dict)
 
@@ -268,6 +269,16 @@ def gc(
             if e.name not in named:
                 store.delete(f"{folder}/{e.name}")
                 removed_frames += 1
+    # Announcements (store-v1 §4.6) are hints for receivers waiting for a push in progress: a published
+    # version's are spent (its push removes them when it completes), the rest go once older than the grace.
+    removed_announcements = 0
+    for version in store.list_dirs(ANNOUNCED) if not dry_run else []:
+        folder = f"{ANNOUNCED}/{version}"
+        published = is_label(version) and store.version(version) is not None
+        for e in store.list(folder):
+            if published or old(e, folder):
+                store.delete(f"{folder}/{e.name}")
+                removed_announcements += 1
     return GcResult(
         store=url,
         live_versions=sorted(r.version for r in live),
@@ -280,5 +291,6 @@ def gc(
         young_unreferenced=young,
         dry_run=dry_run,
         removed_keyframe_files=removed_frames,
+        removed_announcements=removed_announcements,
         dropped_shortcuts=dict(needed.unusable),
     )

@@ -59,6 +59,7 @@ ACKS = "acks"
 COMMITS = "commits"
 CHILDREN = "children"
 LATEST = "latest.json"
+ANNOUNCED = "announced"  # announced/<version>/<block id>-<size>: a push in progress names its data blocks (1.2)
 
 POLL_S = 0.05  # between two questions of a command that waits (--wait) for something to appear on a store
 

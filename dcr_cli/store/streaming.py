@@ -8,6 +8,10 @@ record, then the repair blocks (store-v1 §4.1), so all of its guarantees (base 
 publication, resume after a kill) stay as they are. It is told which blocks this uploader has just
 written (``uploaded``), so it does not ask the store about them again before the manifest; it still
 checks every data block is there just before it writes the record.
+
+With ``announce`` (the version's label), each data block is announced once it is on the store
+(``announced/<version>/<id>-<size>``, store-v1 §4.6): a receiver waiting for the version starts
+downloading it then, while the diff and the upload go on.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .repo import BLOCKS, Store
+from .announce import announcement
+from .repo import BLOCKS, Store, check_label
 from .transfer import PUSH_BUDGET_BYTES
 
 
@@ -34,8 +39,13 @@ class BlockUploader:
         *,
         workers: int = 4,
         budget: int = PUSH_BUDGET_BYTES,
+        announce: str | None = None,
     ) -> None:
         self.store = Store(url, storage_options)
+        if announce is not None:
+            check_label(announce, "the delta's target version")
+        # A local store's receivers read its blocks where they are: nothing to fetch early, nothing to announce.
+        self.announce = None if self.store.capabilities.local_files else announce
         self.store.require_atomic_publish()  # fail before the diff, not after it
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcr-upload")
         self._slots = 2 * workers  # blocks waiting, at most
@@ -67,13 +77,14 @@ class BlockUploader:
     def _upload(self, block_id: str, data: bytes) -> None:
         try:
             present = self.store.stat(f"{BLOCKS}/{block_id}")  # one question per block: cost follows the delta
-            if present is not None and present.size == len(data):
-                return  # the push that publishes refreshes it if it is old
-            self.store.put(f"{BLOCKS}/{block_id}", data)
-            with self._count_lock:
-                self.uploaded_blocks += 1
-                self.uploaded_bytes += len(data)
-                self.uploaded[block_id] = len(data)
+            if present is None or present.size != len(data):  # else the push that publishes refreshes it if old
+                self.store.put(f"{BLOCKS}/{block_id}", data)
+                with self._count_lock:
+                    self.uploaded_blocks += 1
+                    self.uploaded_bytes += len(data)
+                    self.uploaded[block_id] = len(data)
+            if self.announce is not None:  # only once the block is there: a receiver may fetch it at once
+                self.store.put(announcement(self.announce, block_id, len(data)), b"")
         finally:
             with self._cond:
                 self._waiting -= 1

@@ -39,6 +39,7 @@ from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, p
 from ..io.files import fsync_dir, write_atomic
 from ..io.gc_pause import no_collections
 from ..io.reading import open_regular
+from .announce import EarlyFetch, remove_announcements
 from .backends import S3_PART_BYTES
 from .repo import (
     BLOCKS,
@@ -354,6 +355,8 @@ def push(
         )
         error.exit_code = getattr(exc, "exit_code", error.exit_code)
         raise error from exc
+    with contextlib.suppress(DcrError, OSError):  # hints for receivers that waited: no longer needed (gc: §4.4)
+        remove_announcements(store, version)
     result.repair_uploaded_blocks = len(sent)
     result.repair_uploaded_bytes = sum(b.size for b in sent.values())
     result.uploaded_blocks += len(sent)
@@ -764,6 +767,7 @@ def open_version(
     storage_options: dict[str, Any] | None = None,
     wait: float | None = None,
     on_wait: Callable[[str], None] | None = None,
+    early_fetch: bool = False,
 ) -> Delta:
     """Open a stored version as a Delta that reads its blocks straight from the store.
 
@@ -772,7 +776,9 @@ def open_version(
     with ``Delta.open`` (e.g. in a vLLM worker; credentials then come from the environment).
     ``wait``: seconds to wait for the store and ``version`` to be published (a receiver started
     before its producer publishes); NotReadyError (exit 4) if they are not there by then. ``on_wait`` is
-    told what it waits for, once, when it starts waiting.
+    told what it waits for, once, when it starts waiting. ``early_fetch`` (with ``wait``): meanwhile fetch
+    the data blocks the version's push announces (store/announce.py), for a receiver that reads every
+    block itself; the Delta then reads them from there.
     """
     store = Store(url, storage_options)
     if wait is not None:
@@ -780,9 +786,29 @@ def open_version(
             raise DcrError("--wait needs --version: the version to wait for")
         check_label(version, "version")
         deadline = time.monotonic() + wait
-        poll(store.marker, deadline, f"{url}: a dcr store", on_wait)
-        record = poll(lambda: store.version(version), deadline, f"{url}: version {version!r}", on_wait)
-        return open_record(store, record, f"{url} (version {record.version})")
+        # Announcements are read from the first question on: a first push creates the store only as it publishes.
+        early = EarlyFetch(store, version) if early_fetch else None
+
+        def fetching_meanwhile(probe: Callable[[], T | None]) -> Callable[[], T | None]:
+            def run() -> T | None:
+                found = probe()
+                if found is None and early is not None:
+                    early.poll()
+                return found
+
+            return run
+
+        try:
+            poll(fetching_meanwhile(store.marker), deadline, f"{url}: a dcr store", on_wait)
+            published = fetching_meanwhile(lambda: store.version(version))
+            record = poll(published, deadline, f"{url}: version {version!r}", on_wait)
+            delta = open_record(store, record, f"{url} (version {record.version})")
+            if early is not None:
+                delta.fetched_early = early.hand_over(delta)
+        finally:
+            if early is not None:
+                early.close()
+        return delta
     store.require_marker()
     record = resolve(store, version)
     return open_record(store, record, f"{url} (version {record.version})")
@@ -825,12 +851,16 @@ def open_delta(
     storage_options: dict[str, Any] | None = None,
     wait: float | None = None,
     on_wait: Callable[[str], None] | None = None,
+    early_fetch: bool = False,
 ) -> Delta:
     """Open a delta given either a delta directory (path or URL) or a store URL (plus an optional version).
 
-    ``wait`` (with a version): the location is a store, maybe not created yet; wait for the version."""
+    ``wait`` (with a version): the location is a store, maybe not created yet; wait for the version
+    (``early_fetch``: as in :func:`open_version`)."""
     if wait is not None or is_store(location, storage_options):
-        return open_version(location, version, storage_options=storage_options, wait=wait, on_wait=on_wait)
+        return open_version(
+            location, version, storage_options=storage_options, wait=wait, on_wait=on_wait, early_fetch=early_fetch
+        )
     if version is not None:
         raise DcrError(f"{location} is a delta, not a store: --version does not apply")
     # The same options as the store check above: a delta directory at a URL lives behind the same endpoint.
