@@ -149,6 +149,9 @@ class SafetensorsCheckpoint:
             raise IncompatibleError(f"{self.root} is not a checkpoint directory")
         self.tensors: dict[str, TensorLocation] = {}
         self._maps: dict[Path, mmap.mmap] = {}
+        # The index's weight_map (tensor -> file name), and each file name's path; None without an index.
+        self._weight_map: dict[str, str] | None = None
+        self._index_files: dict[str, Path] = {}
         files = self._files()
         # Digest-cache keys as the files were before anything was hashed (see remember_digests).
         self._cache_keys: dict[Path, str] = {}
@@ -156,6 +159,8 @@ class SafetensorsCheckpoint:
         for file in files:
             self._add_file(file)
             self._cache_keys[file] = digest_cache.key(file)
+        if self._weight_map is not None:
+            self._check_index(self._weight_map)
 
     def _files(self) -> list[Path]:
         index = self.root / INDEX_NAME
@@ -163,19 +168,51 @@ class SafetensorsCheckpoint:
             raw = read_index_bytes(index)
             known = _INDEXES.get(index)
             if known is not None and known[0] == raw:  # the same bytes parse to the same names
-                names = known[1]
+                weight_map, names = known[1], known[2]
             else:
-                names = sorted(set(parse_index(index, raw).values()))
+                weight_map = parse_index(index, raw)
+                names = sorted(set(weight_map.values()))
                 _INDEXES.clear()  # one kept: an apply opens its checkpoint four times
-                _INDEXES[index] = (raw, names)
+                _INDEXES[index] = (raw, weight_map, names)
+            self._weight_map = weight_map
             # One check per file, not per tensor: an MoE index names the same few shards 100k times.
-            return sorted({safe_child(self.root, f) for f in names})
+            self._index_files = {f: safe_child(self.root, f) for f in names}
+            return sorted(set(self._index_files.values()))
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:
             raise IncompatibleError(f"{self.root} holds no *.safetensors files")
         # The same rule as for index names: a symlink out of the directory (e.g. into a shared blob
         # store) would let an in-place apply change files that are not this checkpoint's.
         return [safe_child(self.root, p.name) for p in files]
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        """The index must say exactly where every tensor is: each tensor it names in the file it names, and
+        every tensor of those files named. A stale index (e.g. one that lists a tied weight that is not
+        stored) is refused rather than guessed around: what the files hold and what the index promises
+        readers (transformers among them) would differ."""
+        index = self.root / INDEX_NAME
+        tensors, paths = self.tensors, self._index_files
+        if len(weight_map) != len(tensors) or any(
+            (loc := tensors.get(name)) is None or (loc.file is not paths[f] and loc.file != paths[f])
+            for name, f in weight_map.items()
+        ):
+            for name, f in weight_map.items():
+                loc = tensors.get(name)
+                if loc is None:
+                    raise FormatError(
+                        f"{index} names tensor {name!r} in {f}, which does not hold it (a stale index); fix the"
+                        " index or delete it (the directory's *.safetensors files are read then)"
+                    )
+                if loc.file != paths[f]:
+                    raise FormatError(
+                        f"{index} puts tensor {name!r} in {f}, but it is stored in {loc.file.name}; fix the index"
+                        " or delete it (the directory's *.safetensors files are read then)"
+                    )
+            name = next(n for n in tensors if n not in weight_map)
+            raise FormatError(
+                f"{index} does not name tensor {name!r}, stored in {tensors[name].file.name} (a stale index); fix"
+                " the index or delete it (the directory's *.safetensors files are read then)"
+            )
 
     def _add_file(self, file: Path) -> None:
         if not file.exists():
@@ -411,8 +448,8 @@ class _ParsedHeaders:
 
 
 _PARSED = _ParsedHeaders(max_bytes=256 << 20)
-# The file names of the index read last, by its path: (its bytes, the names); a hit needs the same bytes.
-_INDEXES: dict[Path, tuple[bytes, list[str]]] = {}
+# The index read last, by its path: (its bytes, its weight_map, its file names); a hit needs the same bytes.
+_INDEXES: dict[Path, tuple[bytes, dict[str, str], list[str]]] = {}
 
 
 def layout_mismatch(a: dict[str, tuple[str, tuple[int, ...]]], b: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
