@@ -39,6 +39,7 @@ from ..format.digest import StreamingDigest, digest_bytes
 from ..format.dtypes import numel, uint_of
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
+from ..io.files import NO_ROOM, named
 from ..io.gc_pause import fewer_collections
 from ..io.pool import Inline, check_workers, default_workers, ordered_stream
 from .plan import (
@@ -715,8 +716,10 @@ def execute(
             extra={"residual_tensors": plan.residual} if plan.residual else None,
             created=created,
         )
-    except BaseException:
+    except BaseException as exc:
         writer.abort()
+        if isinstance(exc, OSError) and exc.errno in NO_ROOM and exc.filename is None:
+            raise named(exc, out) from exc  # a block's write: name the delta it was for (its partial is gone)
         raise
     return summarize(Path(out), manifest)
 
