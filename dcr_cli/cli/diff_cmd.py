@@ -117,18 +117,13 @@ def command(
     if push_url:
         if rank is not None:
             raise IncompatibleError("--push publishes a whole delta: run dcr push OUT URL after dcr assemble")
-        from ..errors import ConflictError
         from ..store import BlockUploader
-        from ..store.repo import check_label
+        from ..store.repo import check_distinct_labels, check_label
 
         # What the push after the diff would refuse, refused before the diff and before any block is uploaded.
         if target_version is not None:
             check_label(target_version, "the delta's target version")
-            if target_version == base_version:
-                raise ConflictError(
-                    f"--target-version {target_version!r} is also the base's label: a store cannot publish a "
-                    "version under its base's label; label the target differently"
-                )
+            check_distinct_labels(target_version, base_version, "--target-version")
         uploader = BlockUploader(push_url, parse_storage_options(storage_option))
     config = None
     if profile is not None:
