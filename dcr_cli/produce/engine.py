@@ -885,6 +885,8 @@ def diff(
     ``on_block(id, data)`` sees every block as soon as it is written, so that
     sending can overlap building (``dcr_cli.store.BlockUploader``).
     ``progress_total(bytes)`` is called once, before any work, with the total ``progress`` will reach.
+    Where ``out`` already holds this very diff's complete delta (a re-run after a kill), nothing is written
+    and its summary is returned with ``already_there`` set; anything else there is a ConflictError.
     """
     check_options(workers, level, rank, world_size)
     fmt, b_src, n_src = open_pair(base, new, format, profile)
