@@ -4,6 +4,7 @@ file and what to do (fix or delete the index); a consistent one, or none, is rea
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ def test_an_index_that_disagrees_with_its_shards_is_refused(tmp_path: Path, dcr,
     a = write_checkpoint(tmp_path / "a", _tensors(0), shards=2)
     b = write_checkpoint(tmp_path / "b", _tensors(1), shards=2)
     _edit_index(b, edit)
-    with pytest.raises(FormatError, match=named):
+    with pytest.raises(FormatError, match=re.escape(named)):
         SafetensorsCheckpoint(b)
     proc = dcr("diff", str(a), str(b), "-o", str(tmp_path / "d"))
     assert proc.returncode == 2, proc.stderr
@@ -65,3 +66,13 @@ def test_a_consistent_index_is_read(tmp_path: Path) -> None:
         assert {n: loc.file.name for n, loc in ckpt.tensors.items()} == wm
     with SafetensorsCheckpoint(b) as again:  # the index's parse kept for the next open gives the same
         assert set(again.tensors) == set(wm)
+
+
+def test_an_index_checked_before_is_checked_again_once_it_changes(tmp_path: Path) -> None:
+    """The check is skipped only for the very index and headers checked before in this process."""
+    b = write_checkpoint(tmp_path / "b", _tensors(1), shards=2)
+    SafetensorsCheckpoint(b).close()
+    SafetensorsCheckpoint(b).close()
+    _edit_index(b, lambda wm: wm.pop("layer1.weight"))
+    with pytest.raises(FormatError, match=re.escape("'layer1.weight'")):
+        SafetensorsCheckpoint(b)
