@@ -18,5 +18,5 @@ def test_a_delta_labelled_as_its_own_base_is_refused_before_the_store_is_created
     refused = run_dcr("push", str(noop), str(store))
     assert refused.returncode == 3, refused.stderr
     lines = refused.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dcr: error:") and "also its base label" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("dcr: error:") and "also the base's label" in lines[0], lines
     assert not store.exists()  # nothing written

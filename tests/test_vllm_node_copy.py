@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_dcr
+from conftest import REPO, run_dcr
 from store_fixtures import CountingProxy, S3Endpoint, make_deltas
 
 from dcr_cli.delta.reader import Delta
@@ -107,3 +110,67 @@ def test_a_link_in_place_of_the_private_directory_is_not_followed(
     directory = node_copy.download_data_blocks(open_remote())
     assert directory is not None and Path(directory).parent == shared / f"dcr-engine-{os.getuid()}"
     assert (os.stat(Path(directory).parent).st_mode & 0o777) == 0o700
+
+
+_ENGINE = """
+import os, signal, sys
+from dcr_cli.delta.reader import Delta
+from dcr_cli.receive.vllm import node_copy
+print(node_copy.download_data_blocks(Delta.open(sys.argv[1])), flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # an engine killed with its copy on disk
+sys.stdin.read()  # a live engine: holds its copy until told to go
+"""
+
+
+def _engine(delta: Path, tmp: Path, how: str) -> tuple[subprocess.Popen[str], str]:
+    """A process that makes a node copy as an engine's leader does, then is killed or stays alive."""
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE, str(delta), how], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    directory = proc.stdout.readline().strip()
+    assert directory.startswith(str(tmp)) and f"-{proc.pid}-" in os.path.basename(directory)
+    return proc, directory
+
+
+def test_the_leader_removes_the_copies_of_killed_engines_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, (d1,) = make_deltas(tmp_path, 1)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    killed, stale = _engine(d1, tmp, "kill")
+    assert killed.wait(timeout=60) == -signal.SIGKILL and os.path.isdir(stale)
+    alive, live = _engine(d1, tmp, "wait")
+    root = tmp / f"dcr-engine-{os.getuid()}"
+    # Not provably stale: a directory without a lock file (being made, or an older dcr's), and a link to
+    # a directory elsewhere that looks like a stale copy (never followed).
+    (root / "being-made").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "blocks").mkdir(parents=True)
+    (elsewhere / ".lock").touch()
+    (root / "link").symlink_to(elsewhere)
+    try:
+        directory = node_copy.download_data_blocks(Delta.open(d1))
+        assert directory is not None
+        assert not os.path.exists(stale)  # the killed engine's copy is gone
+        assert os.path.isdir(live) and (root / "being-made").is_dir()  # the live engine's copy is kept
+        assert (root / "link").is_symlink() and (elsewhere / ".lock").exists() and (elsewhere / "blocks").is_dir()
+        # This process's own copy is kept by its next download while it exists, and its lock let go once
+        # the backend removed it (one descriptor per copy on disk, not one per refit).
+        again = node_copy.download_data_blocks(Delta.open(d1))
+        assert again is not None and os.path.isdir(directory)
+        for made in (directory, again):
+            shutil.rmtree(made)
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            made = node_copy.download_data_blocks(Delta.open(d1))
+            assert made is not None
+            shutil.rmtree(made)  # as backend.drop_spool does
+        assert len(os.listdir("/proc/self/fd")) <= fds + 1
+    finally:
+        alive.communicate("", timeout=60)
+    node_copy.download_data_blocks(Delta.open(d1))
+    assert not os.path.exists(live)  # that engine is gone now: so is its copy

@@ -195,19 +195,17 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
         if len(hits) != 1:
             raise IncompatibleError(f"{reader.root}: cannot find the one {EMBEDDING_KEY} of a Megatron checkpoint")
         prefix = hits[0]
-    zero_centered = bool(meg.get("zero_centered_gamma", False))
-    try:
-        hidden = int(config["hidden_size"])
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        groups = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        vocab = int(config["vocab_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise IncompatibleError(f"Megatron profile lacks a model dimension: {exc}") from None
+    # check_profile refused every value of another type: the dimensions are ints, the flags bools.
+    zero_centered: bool = meg.get("zero_centered_gamma", False)
+    hidden: int = config["hidden_size"]
+    layers: int = config["num_hidden_layers"]
+    heads: int = config["num_attention_heads"]
+    groups: int = config.get("num_key_value_heads") or heads
+    head_dim: int = config.get("head_dim") or hidden // heads
+    vocab: int = config["vocab_size"]
     hf_dtype = _hf_dtype(config)
-    tied = bool(config.get("tie_word_embeddings", False))
-    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    tied: bool = config.get("tie_word_embeddings", False)
+    experts: int = config.get("num_experts") or config.get("num_local_experts") or 0
     heads_per_group = heads // groups
 
     out: dict[str, CanonicalTensor] = {}
@@ -335,7 +333,7 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
 
     mlp = "mlp."
     if experts:
-        inter = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+        inter = config.get("moe_intermediate_size") or config["intermediate_size"]
         norm_names = ("pre_mlp_layernorm.weight", mlp + "linear_fc1.layer_norm_weight")
         per_layer(norm_names, "post_attention_layernorm.weight", (hidden,), True)
         per_layer((mlp + "router.weight",), "mlp.gate.weight", (experts, hidden))
@@ -350,7 +348,7 @@ def megatron_canonical(reader: ShardReader, config: dict[str, Any]) -> dict[str,
                 fc2 = located(expert_spellings(key, layer, e, "linear_fc2"), (hidden, inter), "expert linear_fc2")
                 add(down, (hidden, inter), [seg(fc2, (0, 0), (hidden, inter), down, (0, 0))])
     else:
-        inter = int(config["intermediate_size"])
+        inter = config["intermediate_size"]
         norm_names = (mlp + "linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
         per_layer(norm_names, "post_attention_layernorm.weight", (hidden,), True)
         for layer in range(layers):

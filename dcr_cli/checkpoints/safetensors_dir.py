@@ -14,6 +14,7 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..format.strict_json import load_json
 from ..io import digest_cache
 
 INDEX_NAME = "model.safetensors.index.json"
+_NAME = attrgetter("name")
 MAX_HEADER_BYTES = 100 << 20
 MAX_INDEX_BYTES = 64 << 20
 
@@ -149,13 +151,19 @@ class SafetensorsCheckpoint:
             raise IncompatibleError(f"{self.root} is not a checkpoint directory")
         self.tensors: dict[str, TensorLocation] = {}
         self._maps: dict[Path, mmap.mmap] = {}
+        # The index's weight_map (tensor -> file name), and each file name's path; None without an index.
+        self._weight_map: dict[str, str] | None = None
+        self._index_files: dict[str, Path] = {}
         files = self._files()
         # Digest-cache keys as the files were before anything was hashed (see remember_digests).
         self._cache_keys: dict[Path, str] = {}
         self._cached: dict[Path, dict[str, str]] = {}  # entries cached_digests found, under those keys
+        parsed = []
         for file in files:
-            self._add_file(file)
+            parsed.append(self._add_file(file))
             self._cache_keys[file] = digest_cache.key(file)
+        if self._weight_map is not None:
+            self._check_index(self._weight_map, parsed)
 
     def _files(self) -> list[Path]:
         index = self.root / INDEX_NAME
@@ -163,13 +171,16 @@ class SafetensorsCheckpoint:
             raw = read_index_bytes(index)
             known = _INDEXES.get(index)
             if known is not None and known[0] == raw:  # the same bytes parse to the same names
-                names = known[1]
+                weight_map, names = known[1], known[2]
             else:
-                names = sorted(set(parse_index(index, raw).values()))
+                weight_map = parse_index(index, raw)
+                names = sorted(set(weight_map.values()))
                 _INDEXES.clear()  # one kept: an apply opens its checkpoint four times
-                _INDEXES[index] = (raw, names)
+                _INDEXES[index] = (raw, weight_map, names)
+            self._weight_map = weight_map
             # One check per file, not per tensor: an MoE index names the same few shards 100k times.
-            return sorted({safe_child(self.root, f) for f in names})
+            self._index_files = {f: safe_child(self.root, f) for f in names}
+            return sorted(set(self._index_files.values()))
         files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
         if not files:
             raise IncompatibleError(f"{self.root} holds no *.safetensors files")
@@ -177,7 +188,60 @@ class SafetensorsCheckpoint:
         # store) would let an in-place apply change files that are not this checkpoint's.
         return [safe_child(self.root, p.name) for p in files]
 
-    def _add_file(self, file: Path) -> None:
+    def _check_index(self, weight_map: dict[str, str], parsed: list[list[TensorLocation]]) -> None:
+        """The index must say exactly where every tensor is: each tensor it names in the file it names, and
+        every tensor of those files named. A stale index (e.g. one that lists a tied weight that is not
+        stored) is refused rather than guessed around: what the files hold and what the index promises
+        readers (transformers among them) would differ.
+
+        ``parsed``: each file's locations, in file order. An index and headers checked before in this
+        process (the very objects _INDEXES and _PARSED hand out again) are not checked again: an apply
+        opens its checkpoint four times, and the check costs ~0.05 s at 100k tensors."""
+        last = _INDEX_CHECKED.get("last")
+        if (
+            last is not None
+            and last[0] is weight_map
+            and len(last[1]) == len(parsed)
+            and all(a is b for a, b in zip(last[1], parsed, strict=True))
+        ):
+            return
+        paths = self._index_files
+        file_names = {p: f for f, p in paths.items()}  # a file's path -> its name in the index
+        agree = len(file_names) == len(paths)  # (two names of one file: told apart below)
+        for locations in parsed:
+            if agree and locations:
+                # Every tensor of this file is in the index under this file's name (C-level maps).
+                agree = set(map(weight_map.get, map(_NAME, locations))) == {file_names[locations[0].file]}
+        if not (agree and self.tensors.keys() == weight_map.keys()):
+            self._name_disagreement(weight_map)
+        _INDEX_CHECKED["last"] = (weight_map, parsed)  # held: the ids compared above cannot be reused
+
+    def _name_disagreement(self, weight_map: dict[str, str]) -> None:
+        """Raise for the first entry where the index and the files disagree (none: two names of one file)."""
+        index = self.root / INDEX_NAME
+        tensors, paths = self.tensors, self._index_files
+        if len(weight_map) != len(tensors) or any(
+            (loc := tensors.get(name)) is None or loc.file != paths[f] for name, f in weight_map.items()
+        ):
+            for name, f in weight_map.items():
+                loc = tensors.get(name)
+                if loc is None:
+                    raise FormatError(
+                        f"{index} names tensor {name!r} in {f}, which does not hold it (a stale index); fix the"
+                        " index or delete it (the directory's *.safetensors files are read then)"
+                    )
+                if loc.file != paths[f]:
+                    raise FormatError(
+                        f"{index} puts tensor {name!r} in {f}, but it is stored in {loc.file.name}; fix the index"
+                        " or delete it (the directory's *.safetensors files are read then)"
+                    )
+            name = next(n for n in tensors if n not in weight_map)
+            raise FormatError(
+                f"{index} does not name tensor {name!r}, stored in {tensors[name].file.name} (a stale index); fix"
+                " the index or delete it (the directory's *.safetensors files are read then)"
+            )
+
+    def _add_file(self, file: Path) -> list[TensorLocation]:
         if not file.exists():
             raise IncompatibleError(f"{file} is listed in the index but missing")
         raw, data_start = read_raw_header(file)
@@ -191,6 +255,7 @@ class SafetensorsCheckpoint:
             if loc.name in tensors:
                 raise FormatError(f"tensor {loc.name!r} appears in two files of {self.root}")
             tensors[loc.name] = loc
+        return locations
 
     def _map(self, file: Path) -> mmap.mmap:
         m = self._maps.get(file)
@@ -411,8 +476,10 @@ class _ParsedHeaders:
 
 
 _PARSED = _ParsedHeaders(max_bytes=256 << 20)
-# The file names of the index read last, by its path: (its bytes, the names); a hit needs the same bytes.
-_INDEXES: dict[Path, tuple[bytes, list[str]]] = {}
+# The index read last, by its path: (its bytes, its weight_map, its file names); a hit needs the same bytes.
+_INDEXES: dict[Path, tuple[bytes, dict[str, str], list[str]]] = {}
+# The index checked last against its files' headers: (its weight_map, each file's locations), as handed out.
+_INDEX_CHECKED: dict[str, tuple[dict[str, str], list[list[TensorLocation]]]] = {}
 
 
 def layout_mismatch(a: dict[str, tuple[str, tuple[int, ...]]], b: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:

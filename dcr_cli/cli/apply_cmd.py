@@ -93,20 +93,27 @@ def command(
             emit_json({"vllm": vllm_url, "steps": engine["steps"]})
         return
     assert into is not None
-    result = apply(
-        deltas,
-        into=into,
-        version=version,
-        since=since,
-        ack=ack_url,
-        receiver=receiver,
-        storage_options=options,
-        workers=workers,
-        verify=verify_after,
-        log=None if as_json else say,
-        wait=wait,
-        on_wait=_waiting(wait),
-    )
+    try:
+        result = apply(
+            deltas,
+            into=into,
+            version=version,
+            since=since,
+            ack=ack_url,
+            receiver=receiver,
+            storage_options=options,
+            workers=workers,
+            verify=verify_after,
+            log=None if as_json else say,
+            wait=wait,
+            on_wait=_waiting(wait),
+        )
+    except OSError as exc:
+        from ..io.files import NO_ROOM, named
+
+        if exc.errno in NO_ROOM and exc.filename is None:  # an in-place write of the checkpoint's files
+            raise named(exc, into) from exc
+        raise
     if as_json:
         emit_json(result.to_json())
     else:

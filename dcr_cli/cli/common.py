@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import click
 
 from ..errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, DcrError
+from ..io.files import NO_ROOM
 
 BUG_HINT = "this is a bug in dcr; please report it with the command line"
 
@@ -65,8 +66,9 @@ def one_line(text: str) -> str:
 def exit_code_of(exc: BaseException) -> tuple[int, str]:
     """The exit code and the one stderr line for an exception: THE mapping of every command.
 
-    DcrError -> its own code; OSError -> 2; click usage errors -> 2; an interrupt -> 130;
-    anything else is a bug in dcr -> 70 (EX_SOFTWARE) with a line that says so.
+    DcrError -> its own code; OSError -> 2 (no room to write: the file and the next step named);
+    click usage errors -> 2; an interrupt -> 130; anything else is a bug in dcr -> 70 (EX_SOFTWARE) with a line
+    that says so.
     """
     if isinstance(exc, DcrError):
         return exc.exit_code, f"dcr: error: {one_line(str(exc))}"
@@ -80,6 +82,15 @@ def exit_code_of(exc: BaseException) -> tuple[int, str]:
         return EXIT_BAD_INPUT, f"dcr: error: {one_line(exc.format_message())}"
     if isinstance(exc, (KeyboardInterrupt, click.Abort)):
         return EXIT_INTERRUPTED, "dcr: error: interrupted"
+    if isinstance(exc, OSError) and exc.errno in NO_ROOM:
+        where = f"writing {exc.filename}" if exc.filename is not None else "writing a file"
+        said = str(exc.strerror or exc)
+        step = (
+            ""
+            if "re-run the same" in said
+            else "; free space (or raise the file-size limit), then re-run the same command"
+        )
+        return EXIT_BAD_INPUT, f"dcr: error: {one_line(f'{said} ({where}){step}')}"
     if isinstance(exc, OSError):
         where = exc.filename if exc.filename is not None else "I/O"
         return EXIT_BAD_INPUT, f"dcr: error: {one_line(f'{exc.strerror or exc} ({where})')}"

@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from ..checkpoints import FORMATS as FORMAT_CHOICES
 from .common import emit_json, handle_errors, human_bytes, say, sized_progress
 from .store_options import parse_storage_options, storage_options
+
+if TYPE_CHECKING:
+    from ..delta.summary import DiffSummary
 
 Counter = Callable[[int], None]
 
@@ -113,18 +117,13 @@ def command(
     if push_url:
         if rank is not None:
             raise IncompatibleError("--push publishes a whole delta: run dcr push OUT URL after dcr assemble")
-        from ..errors import ConflictError
         from ..store import BlockUploader
-        from ..store.repo import check_label
+        from ..store.repo import check_distinct_labels, check_label
 
         # What the push after the diff would refuse, refused before the diff and before any block is uploaded.
         if target_version is not None:
             check_label(target_version, "the delta's target version")
-            if target_version == base_version:
-                raise ConflictError(
-                    f"--target-version {target_version!r} is also the base's label: a store cannot publish a "
-                    "version under its base's label; label the target differently"
-                )
+            check_distinct_labels(target_version, base_version, "--target-version")
         # A known label: each block is announced as it lands, for receivers waiting for the version.
         uploader = BlockUploader(push_url, parse_storage_options(storage_option), announce=target_version)
     config = None
@@ -181,18 +180,28 @@ def command(
     if as_json:
         emit_json({**summary.to_json(), **({"push": pushed.to_json()} if pushed else {})})
         return
-    say(
-        f"{summary.delta}: {summary.base_version} -> {summary.target_version}, "
-        f"{summary.changed_elements}/{summary.total_elements} elements changed ({summary.change_rate:.3%}), "
-        f"{human_bytes(summary.payload_bytes + summary.manifest_bytes)} "
-        f"({_against_full(summary.full_bytes, summary.payload_bytes + summary.manifest_bytes)})"
-    )
+    if summary.already_there:
+        say(
+            f"{summary.delta}: already there, {summary.base_version} -> {summary.target_version} (this diff "
+            "completed before; nothing written)"
+        )
+    else:
+        _say_written(summary)
     if pushed is not None and uploader is not None:
         say(
             f"{push_url}: published {pushed.version} (base {pushed.base}); {uploader.uploaded_blocks} blocks "
             f"uploaded during the diff, {pushed.uploaded_blocks} after it ({pushed.repair_uploaded_blocks} repair "
             "blocks, after publication)"
         )
+
+
+def _say_written(summary: DiffSummary) -> None:
+    say(
+        f"{summary.delta}: {summary.base_version} -> {summary.target_version}, "
+        f"{summary.changed_elements}/{summary.total_elements} elements changed ({summary.change_rate:.3%}), "
+        f"{human_bytes(summary.payload_bytes + summary.manifest_bytes)} "
+        f"({_against_full(summary.full_bytes, summary.payload_bytes + summary.manifest_bytes)})"
+    )
 
 
 def _against_full(full: int, sent: int) -> str:

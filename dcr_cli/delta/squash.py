@@ -15,7 +15,8 @@ What is knowable without a checkpoint (format_spec/delta-v1.md §6.3, §7.3):
 Composition, element by element over the union of positions (in the order of the chain):
 
 * XOR masks compose by XOR: the output mask is ``first base XOR last target``; an element that
-  returns to its first base value drops out;
+  returns to its first base value drops out (so does a whole overwrite group, below, whose last
+  values have its ``pre`` digest: all its elements are back at the first base);
 * an overwrite or replace wins over anything before it: an element that any delta overwrote is
   written by an ``overwrite`` item with its last target value (a receiver that casts or quantizes a
   tensor is sent absolute values for it, as the producer chose);
@@ -348,6 +349,17 @@ def _compose(
         if it.op != "xor":
             overwritten[idx] = True
 
+    # A group whose last values have its pre digest is back at the first base on all its elements (the
+    # digest proves it, as it proves every value squash derives): a net identity, dropped whole. Which of a
+    # group's elements alone returned is not known (its pre states their base values only together).
+    back = [digest_bytes(last[g.members]) == g.pre for g in groups]
+    dropped = np.zeros(n, dtype=bool)
+    for g, identity in zip(groups, back, strict=True):
+        if identity:
+            dropped[g.members] = True
+            group_of[g.members] = -1
+    groups = [g for g, identity in zip(groups, back, strict=True) if not identity]
+    base0[dropped] = last[dropped]  # their first-base values are known now (a dense trial below reads them)
     free = (group_of < 0) & (base0 != last)
     out: list[EncodedItem] = []
 

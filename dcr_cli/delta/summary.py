@@ -23,13 +23,18 @@ class DiffSummary:
     manifest_bytes: int
     repair_bytes: int
     full_bytes: int
+    # The delta was there already, complete, from an earlier run of the same diff (nothing was written).
+    already_there: bool = False
 
     @property
     def change_rate(self) -> float:
         return self.changed_elements / self.total_elements if self.total_elements else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "change_rate": self.change_rate}
+        out = {**asdict(self), "change_rate": self.change_rate}
+        if not self.already_there:
+            del out["already_there"]  # the summary of a delta just written, as before
+        return out
 
 
 def summarize(path: Path, manifest: Manifest) -> DiffSummary:

@@ -39,6 +39,7 @@ from ..format.digest import StreamingDigest, digest_bytes
 from ..format.dtypes import numel, uint_of
 from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
+from ..io.files import NO_ROOM, named
 from ..io.gc_pause import fewer_collections
 from ..io.pool import Inline, check_workers, default_workers, ordered_stream
 from .plan import (
@@ -715,10 +716,87 @@ def execute(
             extra={"residual_tensors": plan.residual} if plan.residual else None,
             created=created,
         )
-    except BaseException:
+    except BaseException as exc:
         writer.abort()
+        if isinstance(exc, OSError) and exc.errno in NO_ROOM and exc.filename is None:
+            raise named(exc, out) from exc  # a block's write: name the delta it was for (its partial is gone)
         raise
     return summarize(Path(out), manifest)
+
+
+def existing_result(
+    out: str | os.PathLike[str],
+    plan: Plan,
+    base: Side,
+    new: Side,
+    *,
+    base_version: str | None,
+    target_version: str | None,
+) -> DiffSummary | None:
+    """The summary of ``out`` when it already holds this very diff's result, None when ``out`` is absent or
+    empty; a :class:`ConflictError` (nothing written) for anything else there.
+
+    A diff that completed just before its process was killed is re-run by its cron script: the same
+    command must find its own delta (exit 0), not a conflict. "Its own" is decided by what identifies a
+    delta to a receiver: the base and target labels and fingerprints. Labels given on the command line
+    are compared first, then each side's digests (from the digest cache a completed diff filled: no
+    read at all then; otherwise one hashing pass over that side, which writes nothing).
+    """
+    from ..delta.reader import Delta
+    from ..errors import ConflictError, DcrError
+    from ..format.manifest import BLOCKS_DIR
+
+    path = Path(out)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return None
+
+    def conflict(why: str) -> ConflictError:
+        return ConflictError(f"{path} already exists ({why}); choose a new output path or remove it")
+
+    if not path.is_dir():
+        raise conflict("not a directory")
+    try:
+        manifest = Delta.open(path).manifest
+    except DcrError:
+        raise conflict("not a complete delta") from None
+    for block in manifest.blocks:
+        try:
+            complete = (path / BLOCKS_DIR / block.id).stat().st_size == block.size
+        except OSError:
+            complete = False
+        if not complete:
+            raise conflict(f"a delta whose block {block.id[:16]} is missing or cut short")
+    there = (manifest.base, manifest.target)
+    for label, ref, what in ((base_version, there[0], "base"), (target_version, there[1], "target")):
+        if label is not None and ref.version != label:
+            raise conflict(f"a delta of another {what}, {ref.version!r}")
+    for side, ref, label, what in ((base, there[0], base_version, "base"), (new, there[1], target_version, "target")):
+        digests = _all_digests(side, plan)
+        fp = fingerprint(side.table(digests))
+        if ref.fingerprint != fp or ref.version != (label or fp[:16]):
+            raise conflict(f"a delta of another {what} ({ref.version!r}, fingerprint {ref.fingerprint[:16]})")
+    summary = summarize(path, manifest)
+    summary.already_there = True
+    return summary
+
+
+def _all_digests(side: Side, plan: Plan) -> dict[str, str]:
+    """Every canonical tensor's digest of one side, as a diff of ``plan`` records it (cached ones not read
+    again; residual tensors digested over their converted bits), remembered for the next run."""
+    digests = dict(side.cached_digests())
+    missing = [name for name in plan.layout if name not in digests]
+    converted = {u.name for u in plan.units if isinstance(u, ResidualUnit)} if missing else set()
+    for name in missing:
+        if name in converted:
+            stream = StreamingDigest()
+            for (band,) in side.converted_bands([name]):
+                stream.update(band)
+            digests[name] = stream.hexdigest()
+        else:
+            digests[name] = side.canonical_digest(name)
+    if missing:
+        side.remember_digests(digests)
+    return digests
 
 
 def _bind(run: Callable[[Any], Iterable[EncodedItem]], unit: Any) -> Callable[[], Iterable[EncodedItem]]:
@@ -807,6 +885,8 @@ def diff(
     ``on_block(id, data)`` sees every block as soon as it is written, so that
     sending can overlap building (``dcr_cli.store.BlockUploader``).
     ``progress_total(bytes)`` is called once, before any work, with the total ``progress`` will reach.
+    Where ``out`` already holds this very diff's complete delta (a re-run after a kill), nothing is written
+    and its summary is returned with ``already_there`` set; anything else there is a ConflictError.
     """
     check_options(workers, level, rank, world_size)
     fmt, b_src, n_src = open_pair(base, new, format, profile)
@@ -824,6 +904,10 @@ def diff(
         else:
             plan = plan_shards(b_src, n_src, overwrite=overwrite, rank=rank, world_size=world_size)
             b_side, n_side = b_src, n_src
+        if rank is None:
+            done = existing_result(out, plan, b_side, n_side, base_version=base_version, target_version=target_version)
+            if done is not None:
+                return done
         if progress_total is not None:
             progress_total(plan.total_bytes)
         return execute(

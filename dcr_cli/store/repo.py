@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from ..delta.reader import STORE_MANIFESTS
 from ..delta.source import BlockSource
-from ..errors import DcrError, FormatError, IntegrityError, NotReadyError
+from ..errors import ConflictError, DcrError, FormatError, IntegrityError, NotReadyError
 from ..format.digest import digest_bytes, is_digest
 from ..format.manifest import BlockEntry
 from ..format.store_records import (
@@ -72,6 +72,17 @@ def check_label(label: str, what: str) -> str:
             "starting with a letter or digit"
         )
     return label
+
+
+def check_distinct_labels(target: str, base: str | None, where: str) -> None:
+    """A store cannot publish a version under its base's label (the chain would loop): refused, one line, the
+    same for every command that would reach the store with it (``dcr push``, and ``dcr diff --push`` before
+    the diff runs). ``where`` starts the line (the store, or the option given)."""
+    if base is not None and target == base:
+        raise ConflictError(
+            f"{where}: the target label {target!r} is also the base's label; a store cannot publish a version "
+            "under its base's label: label the target differently (dcr diff --target-version)"
+        )
 
 
 def utc_now() -> str:

@@ -52,6 +52,7 @@ from .repo import (
     Store,
     StoreBlockSource,
     VersionRecord,
+    check_distinct_labels,
     check_label,
     dumps,
     poll,
@@ -247,11 +248,7 @@ def push(
     source = Delta.open(delta, storage_options=storage_options)
     manifest = source.manifest
     version = check_label(manifest.target.version, "the delta's target version")
-    if version == manifest.base.version:  # refused before store.init creates a new store's marker
-        raise ConflictError(
-            f"{url}: the delta's target label {version!r} is also its base label; label it differently "
-            "(dcr diff --target-version)"
-        )
+    check_distinct_labels(version, manifest.base.version, url)  # before store.init creates a new store's marker
     store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
     store.require_atomic_publish()
     genesis = store.init(Ref(manifest.base.version, manifest.base.fingerprint))
