@@ -1,5 +1,5 @@
 """A receiver waiting for a version fetches the data blocks its push announces, while the push runs
-(store-v1 §4.5): the download overlaps the upload instead of following it. Against moto's S3 server,
+(store-v1 §4.6): the download overlaps the upload instead of following it. Against moto's S3 server,
 through a counting proxy."""
 
 from __future__ import annotations
@@ -160,3 +160,81 @@ def test_announcement_names(name: str, parsed: tuple[str, int] | None) -> None:
     assert parse(name) == parsed
     if parsed is not None:
         assert announcement("v9", *parsed) == f"announced/v9/{name}"
+
+
+def test_a_store_that_refuses_announcements_publishes_and_applies_as_before(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hint never fails a refit: a bucket policy without announced/ (PUT and LIST refused) changes nothing."""
+    import threading
+
+    from dcr_cli.store import repo
+    from dcr_cli.store.transfer import open_version
+
+    refused: list[str] = []
+    put, listing = repo.Store.put, repo.Store.list
+
+    def refusing_put(self: repo.Store, rel: str, data: bytes) -> None:
+        if rel.startswith("announced/"):
+            refused.append(rel)
+            raise PermissionError(13, "AccessDenied", rel)
+        put(self, rel, data)
+
+    def refusing_list(self: repo.Store, rel_dir: str) -> list[repo.Listing]:
+        if rel_dir.startswith("announced/"):
+            refused.append(rel_dir)
+            raise PermissionError(13, "AccessDenied", rel_dir)
+        return listing(self, rel_dir)
+
+    monkeypatch.setattr(repo.Store, "put", refusing_put)
+    monkeypatch.setattr(repo.Store, "list", refusing_list)
+    delta = big_delta(tmp_path, sparse=True)
+    opened: list[Delta] = []
+    waiter = threading.Thread(
+        target=lambda: opened.append(
+            open_version(s3_url, "v1", storage_options=s3_endpoint.storage_options, wait=60, early_fetch=True)
+        )
+    )
+    waiter.start()
+    blocks = _upload_announced(s3_url, s3_endpoint.storage_options, delta, "v1")  # does not raise
+    _wait_until(lambda: any(r == "announced/v1" for r in refused), "the waiting receiver never listed")
+    push(delta, s3_url, storage_options=s3_endpoint.storage_options)
+    waiter.join(60)
+    assert len([r for r in refused if r.startswith("announced/v1/")]) == len(blocks)
+    (remote,) = opened
+    assert remote.fetched_early == 0
+    remote.verify_blocks()  # the normal fetch: every data block whole
+
+
+def test_many_hints_start_a_bounded_number_of_downloads(s3_endpoint: S3Endpoint, s3_url: str) -> None:
+    """Stale or hostile hints (here 60 blocks that are not there) cost at most FETCHERS downloads at a time,
+    one spool directory, and nothing of the process's memory allowance; closing removes it all."""
+    import tempfile
+    import threading
+
+    from dcr_cli.delta import prefetch
+    from dcr_cli.store.announce import FETCHERS, EarlyFetch
+
+    store = Store(s3_url, s3_endpoint.storage_options)
+    for i in range(60):
+        store.put(announcement("v1", f"{i:064x}", 600 << 20), b"")
+    spools_before = set(Path(tempfile.gettempdir()).glob("dcr-early-*"))
+    allowance = prefetch._MEMORY._left
+    baseline = sum(t.name.startswith("dcr-fetch") for t in threading.enumerate())
+    early = EarlyFetch(store, "v1")
+    most = 0
+    deadline = time.monotonic() + 30
+    while len(early._fetchers) < 60 and time.monotonic() < deadline:
+        early.poll()
+        running = sum(not f.settled for f in early._fetchers)
+        threads = sum(t.name.startswith("dcr-fetch") for t in threading.enumerate()) - baseline
+        most = max(most, running)
+        # Two threads per download; a settled download's threads may still be returning. Unbounded: 120.
+        assert running <= FETCHERS and threads <= 3 * FETCHERS
+        time.sleep(0.01)
+    assert len(early._fetchers) == 60 and most >= 1  # every hint was tried, a few at a time
+    spools = set(Path(tempfile.gettempdir()).glob("dcr-early-*")) - spools_before
+    assert len(spools) == 1
+    assert prefetch._MEMORY._left == allowance
+    early.close()
+    assert not any(p.exists() for p in spools)

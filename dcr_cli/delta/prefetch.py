@@ -163,6 +163,12 @@ class BlockFetcher:
     def entry(self, block_id: str) -> BlockEntry:
         return self._blocks[block_id].entry
 
+    @property
+    def settled(self) -> bool:
+        """Whether every block has either arrived whole and been checked, or failed."""
+        with self._cond:
+            return all(b.done or b.error is not None for b in self._blocks.values())
+
     # -- the workers ------------------------------------------------------------------------------------------------
 
     def _work(self) -> None:

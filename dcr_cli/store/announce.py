@@ -4,25 +4,29 @@ A receiver started before its producer publishes (``dcr apply URL --version V --
 otherwise start downloading only once the version record appears, and the refit's critical path
 would be the upload *then* the download. ``dcr diff --push`` writes ``announced/<V>/<id>-<size>``
 (an empty object) right after each data block of ``V`` is on the store; the waiting receiver lists
-that directory while it waits and starts fetching each announced block at once, so the download
-runs alongside the upload (store-v1 §4.6).
+that directory while it waits and fetches the announced blocks meanwhile, so the download runs
+alongside the upload (store-v1 §4.6).
 
-An announcement is a hint, never a publication. Its block is checked against its id (the block's
-BLAKE3) and size when it arrives, and used only if the manifest the record names lists it; what
-the hint got wrong (a block that is not there, a wrong size, a block of another attempt) is
-dropped and fetched as if nothing had been announced. The push that publishes ``V`` removes its
-announcements once every block is uploaded; ``dcr gc`` removes the ones a stopped push left.
+An announcement is a hint, never a publication, and never a reason to fail: a block is checked
+against its id (the block's BLAKE3) and size when it arrives, and used only if the manifest the
+record names lists it; what a hint got wrong (a block that is not there, a wrong size, a block of
+another attempt) is dropped and fetched as if nothing had been announced, and a store that refuses
+the announcements (a bucket policy, errors after the retries) gets a refit as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..delta.prefetch import BlockFetcher
+from ..errors import DcrError
 from ..format.manifest import BlockEntry
 from .repo import ANNOUNCED, Store, StoreBlockSource
 
@@ -35,7 +39,7 @@ _NAME = re.compile(r"([0-9a-f]{64})-([1-9][0-9]{0,15})")
 MAX_BLOCKS = 100_000
 MAX_BYTES = 64 << 30
 LIST_EVERY_S = 0.25  # between two listings of a version's announcements while waiting
-FETCH_WORKERS = 4
+FETCHERS = 4  # blocks being fetched early at once (each on two threads): a thousand hints start four downloads
 
 
 def announcement(version: str, block_id: str, size: int) -> str:
@@ -49,17 +53,27 @@ def parse(name: str) -> tuple[str, int] | None:
     return (match.group(1), int(match.group(2))) if match else None
 
 
+def announce(store: Store, version: str, block_id: str, size: int) -> None:
+    """Announce a data block that is on the store; a store that refuses it only loses the hint."""
+    with contextlib.suppress(DcrError, OSError):
+        store.put(announcement(version, block_id, size), b"")
+
+
 def remove_announcements(store: Store, version: str) -> int:
-    """Remove ``version``'s announcements (its push is complete, or was stopped); how many were removed."""
-    removed = 0
-    for entry in store.list(f"{ANNOUNCED}/{version}"):
-        store.delete(f"{ANNOUNCED}/{version}/{entry.name}")
-        removed += 1
-    return removed
+    """Remove ``version``'s announcements (its push is complete, or was stopped), in one bulk request where
+    the store has one; how many there were."""
+    names = [f"{ANNOUNCED}/{version}/{e.name}" for e in store.list(f"{ANNOUNCED}/{version}")]
+    if names:
+        store.delete_many(names)
+    return len(names)
 
 
 class EarlyFetch:
-    """While a receiver waits for ``version``: fetch the blocks its push announces, as they are announced."""
+    """While a receiver waits for ``version``: fetch the blocks its push announces, as they are announced.
+
+    Blocks are spooled to one private temporary directory (not the process's memory allowance, which the
+    normal fetch needs), at most FETCHERS at a time; the directory goes with the delta they are handed to.
+    """
 
     def __init__(self, store: Store, version: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
@@ -67,30 +81,47 @@ class EarlyFetch:
         self._clock = clock
         self._source = StoreBlockSource(store)
         self._fetchers: list[BlockFetcher] = []
-        self._seen: set[str] = set()
+        self._queue: list[BlockEntry] = []  # announced, not started yet
+        self._seen: set[tuple[str, int]] = set()
         self._bytes = 0
         self._listed_at: float | None = None
+        self._spool: str | None = None
+        self._handed = False
         self.enabled = self._source.remote  # a local store's blocks are read where they are: nothing to fetch
 
     def poll(self) -> None:
-        """List the announcements (at most every LIST_EVERY_S) and start fetching the new ones."""
-        now = self._clock()
-        if not self.enabled or (self._listed_at is not None and now - self._listed_at < LIST_EVERY_S):
+        """Start fetching announced blocks as fetchers free up; list the announcements at most every
+        LIST_EVERY_S. A store that cannot list them (a policy, errors after the retries) turns this off."""
+        if not self.enabled:
             return
-        self._listed_at = now
-        new: list[BlockEntry] = []
-        for entry in self.store.list(f"{ANNOUNCED}/{self.version}"):
-            parsed = parse(entry.name)
-            if parsed is None or parsed[0] in self._seen:
-                continue
-            block_id, size = parsed
-            if len(self._seen) >= MAX_BLOCKS or self._bytes + size > MAX_BYTES:
-                break
-            self._seen.add(block_id)
-            self._bytes += size
-            new.append(BlockEntry(block_id, size, "data"))
-        # One fetcher per block: a hint that turns out wrong (absent, another size) costs only its own block.
-        self._fetchers += [BlockFetcher(self._source, [b], workers=2) for b in new]
+        now = self._clock()
+        if self._listed_at is None or now - self._listed_at >= LIST_EVERY_S:
+            self._listed_at = now
+            try:
+                listed = self.store.list(f"{ANNOUNCED}/{self.version}")
+            except (DcrError, OSError):
+                self.enabled = False
+                return
+            for entry in listed:
+                parsed = parse(entry.name)
+                if parsed is None or parsed in self._seen:
+                    continue
+                if len(self._seen) >= MAX_BLOCKS:
+                    break
+                if self._bytes + parsed[1] > MAX_BYTES:
+                    continue  # a smaller one may still fit
+                self._seen.add(parsed)
+                self._bytes += parsed[1]
+                self._queue.append(BlockEntry(parsed[0], parsed[1], "data"))
+        running = sum(not f.settled for f in self._fetchers)
+        while self._queue and running < FETCHERS:
+            if self._spool is None:
+                self._spool = tempfile.mkdtemp(prefix="dcr-early-")
+                weakref.finalize(self, _remove_unless_handed, self._spool, lambda: self._handed)
+            block = self._queue.pop(0)
+            # One fetcher per block: a hint that turns out wrong (absent, another size) costs only its own block.
+            self._fetchers.append(BlockFetcher(self._source, [block], workers=2, spool=self._spool))
+            running += 1
 
     @property
     def blocks(self) -> int:
@@ -103,12 +134,11 @@ class EarlyFetch:
         store, so they are the last of them, on the same link the normal fetch would use). Returns
         how many blocks were handed over.
         """
-        listed = {b.id: b for b in delta.manifest.blocks}
+        listed = {(b.id, b.size) for b in delta.manifest.blocks}
         handed = 0
         for fetcher in self._fetchers:
-            (block_id,) = list(fetcher.ids)
-            entry = listed.get(block_id)
-            if entry is None or entry.size != fetcher.entry(block_id).size:
+            (block_id,) = fetcher.ids
+            if (block_id, fetcher.entry(block_id).size) not in listed:
                 fetcher.close()
                 continue
             try:
@@ -118,11 +148,22 @@ class EarlyFetch:
                 continue
             delta.adopt_fetcher(fetcher)
             handed += 1
-        self._fetchers = []
+        self._fetchers, self._queue = [], []
+        if handed and self._spool is not None:
+            self._handed = True  # the spool now holds the delta's blocks: it goes when the delta does
+            weakref.finalize(delta, shutil.rmtree, self._spool, True)
         return handed
 
     def close(self) -> None:
+        """Stop what was not handed over; remove the spool unless a delta reads from it."""
         for fetcher in self._fetchers:
             with contextlib.suppress(Exception):
                 fetcher.close()
-        self._fetchers = []
+        self._fetchers, self._queue = [], []
+        if self._spool is not None and not self._handed:
+            shutil.rmtree(self._spool, ignore_errors=True)
+
+
+def _remove_unless_handed(path: str, handed: Callable[[], bool]) -> None:
+    if not handed():
+        shutil.rmtree(path, ignore_errors=True)

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .announce import announcement
+from .announce import announce
 from .repo import BLOCKS, Store, check_label
 from .transfer import PUSH_BUDGET_BYTES
 
@@ -84,7 +84,7 @@ class BlockUploader:
                     self.uploaded_bytes += len(data)
                     self.uploaded[block_id] = len(data)
             if self.announce is not None:  # only once the block is there: a receiver may fetch it at once
-                self.store.put(announcement(self.announce, block_id, len(data)), b"")
+                announce(self.store, self.announce, block_id, len(data))
         finally:
             with self._cond:
                 self._waiting -= 1
