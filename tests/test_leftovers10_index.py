@@ -1,5 +1,6 @@
-"""F10: a model.safetensors.index.json that disagrees with its shards is refused, naming the first tensor and
-file and what to do (fix or delete the index); a consistent one, or none, is read as before."""
+"""F10: a model.safetensors.index.json that disagrees with its shards about a stored tensor is refused, naming
+the first tensor and file and what to do (regenerate the index); a consistent one, or none, is read as before,
+and so is one that also names a tied weight no shard stores (what the Hub's safetensors converter writes)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,6 @@ def _first_file(wm: dict) -> str:
 
 
 CASES = {
-    # a tied weight listed but not stored (seen in published checkpoints)
-    "names a missing tensor": (lambda wm: wm.__setitem__("lm_head.weight", _first_file(wm)), "'lm_head.weight'"),
     "misses a stored tensor": (lambda wm: wm.pop("layer3.weight"), "'layer3.weight'"),
     "puts a tensor in another file": (
         lambda wm: wm.__setitem__("layer0.weight", sorted(set(wm.values()))[1]),
@@ -53,10 +52,23 @@ def test_an_index_that_disagrees_with_its_shards_is_refused(tmp_path: Path, dcr,
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr
     assert line.startswith("dcr: error: ") and line.count("\n") == 1
-    assert named in line and ".safetensors" in line and "fix the index or delete it" in line
+    assert named in line and ".safetensors" in line and "regenerate the index from the shards" in line
     assert not (tmp_path / "d").exists()
-    (b / INDEX_NAME).unlink()  # what the message says to do: the shards are read without it
+    (b / INDEX_NAME).unlink()  # the shards are read without it
     dcr("diff", str(a), str(b), "-o", str(tmp_path / "d"), check=True)
+
+
+def test_an_index_that_also_names_a_tied_weight_no_shard_stores_is_read(tmp_path: Path, dcr) -> None:
+    """safetensors' convert_multi drops tied duplicates from the shards but keeps them in the index."""
+    a = write_checkpoint(tmp_path / "a", _tensors(0), shards=2)
+    b = write_checkpoint(tmp_path / "b", _tensors(1), shards=2)
+    for root in (a, b):
+        _edit_index(root, lambda wm: wm.__setitem__("lm_head.weight", _first_file(wm)))
+    with SafetensorsCheckpoint(b) as ckpt:
+        assert sorted(ckpt.tensors) == sorted(_tensors(1))
+    dcr("diff", str(a), str(b), "-o", str(tmp_path / "d"), check=True)
+    dcr("apply", str(tmp_path / "d"), "--into", str(a), check=True)
+    dcr("verify", str(a), "--against", str(tmp_path / "d"), check=True)
 
 
 def test_a_consistent_index_is_read(tmp_path: Path) -> None:

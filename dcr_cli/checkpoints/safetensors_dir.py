@@ -189,10 +189,12 @@ class SafetensorsCheckpoint:
         return [safe_child(self.root, p.name) for p in files]
 
     def _check_index(self, weight_map: dict[str, str], parsed: list[list[TensorLocation]]) -> None:
-        """The index must say exactly where every tensor is: each tensor it names in the file it names, and
-        every tensor of those files named. A stale index (e.g. one that lists a tied weight that is not
-        stored) is refused rather than guessed around: what the files hold and what the index promises
-        readers (transformers among them) would differ.
+        """The index must say where every stored tensor is: each tensor it names and a file holds, in the file
+        it names, and every tensor of those files named. A tensor it names that no file holds is allowed: the
+        Hub's safetensors converter (``convert_multi``) drops tied duplicates from the shards and keeps them in
+        the index, and transformers ties them on load; such a name has no stored bits for dcr to compare.
+        Anything else is refused rather than guessed around: what the files hold and what the index promises
+        readers would differ.
 
         ``parsed``: each file's locations, in file order. An index and headers checked before in this
         process (the very objects _INDEXES and _PARSED hand out again) are not checked again: an apply
@@ -212,7 +214,7 @@ class SafetensorsCheckpoint:
             if agree and locations:
                 # Every tensor of this file is in the index under this file's name (C-level maps).
                 agree = set(map(weight_map.get, map(_NAME, locations))) == {file_names[locations[0].file]}
-        if not (agree and self.tensors.keys() == weight_map.keys()):
+        if not (agree and self.tensors.keys() <= weight_map.keys()):
             self._name_disagreement(weight_map)
         _INDEX_CHECKED["last"] = (weight_map, parsed)  # held: the ids compared above cannot be reused
 
@@ -220,25 +222,16 @@ class SafetensorsCheckpoint:
         """Raise for the first entry where the index and the files disagree (none: two names of one file)."""
         index = self.root / INDEX_NAME
         tensors, paths = self.tensors, self._index_files
-        if len(weight_map) != len(tensors) or any(
-            (loc := tensors.get(name)) is None or loc.file != paths[f] for name, f in weight_map.items()
-        ):
-            for name, f in weight_map.items():
-                loc = tensors.get(name)
-                if loc is None:
-                    raise FormatError(
-                        f"{index} names tensor {name!r} in {f}, which does not hold it (a stale index); fix the"
-                        " index or delete it (the directory's *.safetensors files are read then)"
-                    )
-                if loc.file != paths[f]:
-                    raise FormatError(
-                        f"{index} puts tensor {name!r} in {f}, but it is stored in {loc.file.name}; fix the index"
-                        " or delete it (the directory's *.safetensors files are read then)"
-                    )
-            name = next(n for n in tensors if n not in weight_map)
+        advice = "regenerate the index from the shards"
+        for name, f in weight_map.items():
+            loc = tensors.get(name)
+            if loc is not None and loc.file != paths[f]:
+                raise FormatError(f"{index} puts tensor {name!r} in {f}, but it is stored in {loc.file.name}; {advice}")
+        unnamed = next((n for n in tensors if n not in weight_map), None)
+        if unnamed is not None:
             raise FormatError(
-                f"{index} does not name tensor {name!r}, stored in {tensors[name].file.name} (a stale index); fix"
-                " the index or delete it (the directory's *.safetensors files are read then)"
+                f"{index} does not name tensor {unnamed!r}, stored in {tensors[unnamed].file.name} (a stale index); "
+                f"{advice}"
             )
 
     def _add_file(self, file: Path) -> list[TensorLocation]:
