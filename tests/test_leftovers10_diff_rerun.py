@@ -80,6 +80,21 @@ def test_an_incomplete_out_stays_a_conflict(tmp_path: Path, dcr) -> None:
     assert proc.returncode == 3 and "not a complete delta" in proc.stderr, proc.stderr
 
 
+def test_a_damaged_out_of_its_full_size_stays_a_conflict(tmp_path: Path, dcr) -> None:
+    """A flipped byte keeps the block's size: "already there" would leave cron re-running a diff that never
+    repairs it, while every apply refuses the delta."""
+    a, b = _pair(tmp_path)
+    out = tmp_path / "d"
+    dcr("diff", str(a), str(b), "-o", str(out), check=True)
+    block = next((out / "blocks").iterdir())
+    data = bytearray(block.read_bytes())
+    data[len(data) // 2] ^= 1
+    block.write_bytes(bytes(data))
+    proc = dcr("diff", str(a), str(b), "-o", str(out))
+    assert proc.returncode == 3 and "a damaged block" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
 def test_api_rerun_of_a_training_checkpoint_diff(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Megatron with FP8 residual tensors, digest cache off: the re-run digests the converted bits as the diff."""
     from shard_writers import write_megatron_checkpoints

@@ -756,9 +756,10 @@ def existing_result(
     if not path.is_dir():
         raise conflict("not a directory")
     try:
-        manifest = Delta.open(path).manifest
+        delta = Delta.open(path)
     except DcrError:
         raise conflict("not a complete delta") from None
+    manifest = delta.manifest
     for block in manifest.blocks:
         try:
             complete = (path / BLOCKS_DIR / block.id).stat().st_size == block.size
@@ -766,6 +767,10 @@ def existing_result(
             complete = False
         if not complete:
             raise conflict(f"a delta whose block {block.id[:16]} is missing or cut short")
+    try:  # every byte, as a receiver would check it (the delta is small next to the checkpoints)
+        delta.verify_blocks(("data", "repair"))
+    except DcrError:
+        raise conflict("a delta with a damaged block") from None
     there = (manifest.base, manifest.target)
     for label, ref, what in ((base_version, there[0], "base"), (target_version, there[1], "target")):
         if label is not None and ref.version != label:
