@@ -36,7 +36,7 @@ import zstandard
 from ...delta.reader import Delta
 from ...format.codec import _decompressor
 from ...format.dtypes import dtype as lookup_dtype
-from ...format.kernels import _apply_batch, zstd_frames
+from ...format.kernels import _apply_batch, scatter, zstd_frames
 from ...format.manifest import Item
 from .inplace import GAP_BYTES, InPlaceFiles, scratch
 
@@ -96,7 +96,7 @@ class Batch:
         view = buf.data
         for file, offset, a, b in self.segments:
             files.read_at(file, offset, view[a:b], str(file))
-        buf[self.patch_at] = self.new
+        scatter(buf, self.patch_at, self.new)
         for file, offset, a, b in self.writes:
             if stop():
                 return
@@ -219,4 +219,6 @@ def prepare_batch(
             return None
     writes = [(paths[seg_file[s]], seg_start[s] + a - seg_at[s], a, b) for a, b, s in spans[:n_spans].tolist()]
     segments = [(paths[f], seg_start[j], seg_at[j], seg_at[j + 1]) for j, f in enumerate(seg_file)]
+    if seg_at[-1] <= np.iinfo(np.int32).max:  # kept until the write: 32-bit offsets take half the memory
+        patch_at = patch_at.astype(np.int32)
     return Batch(lo, lo + n, segments, patch_at, new, writes)
