@@ -368,10 +368,10 @@ class Phases:
             finally:
                 self._add("first_pass", time.perf_counter() - t)
 
-        def timed_generator(key: str, gen_fn):  # type: ignore[no-untyped-def]
+        def timed_generator(key: str, gen_fn, second: bool):  # type: ignore[no-untyped-def]
             def run(*args, **kwargs):  # type: ignore[no-untyped-def]
                 t = time.perf_counter()
-                self._writing = True
+                self._writing = second  # the streaming pass prepares each item once: nothing is read again
                 try:
                     yield from gen_fn(*args, **kwargs)
                 finally:
@@ -394,8 +394,8 @@ class Phases:
             return run
 
         a.first_pass = timed_first_pass
-        a.write_items = timed_generator("write_pass", write_items)
-        a.stream_items = timed_generator("stream_pass", stream_items)
+        a.write_items = timed_generator("write_pass", write_items, True)
+        a.stream_items = timed_generator("stream_pass", stream_items, False)
         a.prepare_item = again(prepare_item, "reread")  # only the write pass's calls (dropped items)
         a.prepare_batch = again(prepare_batch, "reread_batch")
         return self
