@@ -190,3 +190,26 @@ def test_a_torn_item_stages_only_the_elements_still_to_write(step: tuple[Path, P
     assert read_raw(recv) == read_raw(v1)
     state = read_state(recv)
     assert state is not None and state.version == "v1"
+
+
+def test_a_batch_of_small_items_is_held_with_32_bit_patch_offsets(tmp_path: Path) -> None:
+    """Small items checked as one batch (batch.py) are held for the write pass as their new bytes and 32-bit
+    offsets into the batch's stretch of the files (2 + 4 bytes a changed byte, was 2 + 8): the same bytes."""
+    rng = np.random.default_rng(3)
+    t0 = {f"e{i:03d}": ("BF16", (24, 16), rng.integers(0, 1 << 16, 384, dtype=np.uint16)) for i in range(200)}
+    t1 = {}
+    for name, (dt, shape, values) in t0.items():
+        new = values.copy()
+        new[rng.choice(values.size, 4, replace=False)] ^= 3
+        t1[name] = (dt, shape, new)
+    v0, v1 = write_checkpoint(tmp_path / "v0", t0, shards=2), write_checkpoint(tmp_path / "v1", t1, shards=2)
+    diff(v0, v1, tmp_path / "delta", base_version="v0", target_version="v1")
+    prepared = first_pass(copy_checkpoint(v0, tmp_path / "probe"), tmp_path / "delta")
+    batches = {id(p.batch): p.batch for p in prepared if p.batch is not None}
+    assert batches
+    for batch in batches.values():
+        assert batch.patch_at is not None and batch.new is not None
+        assert batch.patch_at.dtype == np.int32 and batch.nbytes == 5 * batch.new.size
+    recv = copy_checkpoint(v0, tmp_path / "recv")
+    dcr_cli.apply(tmp_path / "delta", into=recv, workers=2)
+    assert read_raw(recv) == read_raw(v1)

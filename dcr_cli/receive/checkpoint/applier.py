@@ -412,6 +412,7 @@ def _first_pass(delta: Delta, files: InPlaceFiles, resuming: bool, workers: int)
     for batch in ordered_parallel((task(*b) for b in item_batches(items)), workers):
         together = batch[0].batch if batch else None
         if together is not None:  # a batch prepared as one: kept or dropped as one
+            together.compact()
             nbytes = together.nbytes
             if kept + nbytes <= PREPARED_BYTES:
                 kept += nbytes

@@ -56,6 +56,8 @@ SEGMENT_BYTES = 8 << 20
 # Either way a write cut short leaves the items before it done, one torn and the rest pending.
 JOIN_FROM = 16
 
+INT32 = np.iinfo(np.int32).max
+
 _ITEMSIZES: dict[str, int] = {}
 
 
@@ -87,6 +89,11 @@ class Batch:
 
     def drop(self) -> None:
         self.new = self.patch_at = None
+
+    def compact(self) -> None:
+        """Held for the write pass (the checked-first order): 32-bit patch offsets, half the memory."""
+        if self.patch_at is not None and self.patch_at.dtype != np.int32 and self.segments[-1][3] <= INT32:
+            self.patch_at = self.patch_at.astype(np.int32)
 
     def write(self, files: InPlaceFiles, stop: Callable[[], bool]) -> None:
         """Read the stretches again, patch them, pwrite every span; ``stop()`` is asked before each write
@@ -219,6 +226,4 @@ def prepare_batch(
             return None
     writes = [(paths[seg_file[s]], seg_start[s] + a - seg_at[s], a, b) for a, b, s in spans[:n_spans].tolist()]
     segments = [(paths[f], seg_start[j], seg_at[j], seg_at[j + 1]) for j, f in enumerate(seg_file)]
-    if seg_at[-1] <= np.iinfo(np.int32).max:  # kept until the write: 32-bit offsets take half the memory
-        patch_at = patch_at.astype(np.int32)
     return Batch(lo, lo + n, segments, patch_at, new, writes)
