@@ -36,7 +36,7 @@ import zstandard
 from ...delta.reader import Delta
 from ...format.codec import _decompressor
 from ...format.dtypes import dtype as lookup_dtype
-from ...format.kernels import _apply_batch, zstd_frames
+from ...format.kernels import _apply_batch, scatter, zstd_frames
 from ...format.manifest import Item
 from .inplace import GAP_BYTES, InPlaceFiles, scratch
 
@@ -55,6 +55,8 @@ SEGMENT_BYTES = 8 << 20
 # smaller batch is written item by item, as the per-item path writes (each item by writes of its own).
 # Either way a write cut short leaves the items before it done, one torn and the rest pending.
 JOIN_FROM = 16
+
+INT32 = np.iinfo(np.int32).max
 
 _ITEMSIZES: dict[str, int] = {}
 
@@ -88,6 +90,11 @@ class Batch:
     def drop(self) -> None:
         self.new = self.patch_at = None
 
+    def compact(self) -> None:
+        """Held for the write pass (the checked-first order): 32-bit patch offsets, half the memory."""
+        if self.patch_at is not None and self.patch_at.dtype != np.int32 and self.segments[-1][3] <= INT32:
+            self.patch_at = self.patch_at.astype(np.int32)
+
     def write(self, files: InPlaceFiles, stop: Callable[[], bool]) -> None:
         """Read the stretches again, patch them, pwrite every span; ``stop()`` is asked before each write
         (a failed write elsewhere cancels the rest)."""
@@ -96,7 +103,7 @@ class Batch:
         view = buf.data
         for file, offset, a, b in self.segments:
             files.read_at(file, offset, view[a:b], str(file))
-        buf[self.patch_at] = self.new
+        scatter(buf, self.patch_at, self.new)
         for file, offset, a, b in self.writes:
             if stop():
                 return

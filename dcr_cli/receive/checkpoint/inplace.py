@@ -36,6 +36,7 @@ from ...errors import IntegrityError
 from ...format.codec import small_bytes
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import dtype as lookup_dtype
+from ...format.kernels import scatter as scatter_into
 from ...format.manifest import TensorEntry, make_entry
 from ...io.pool import Inline, ordered_parallel
 
@@ -273,7 +274,9 @@ class InPlaceFiles:
             o += n
 
     def scatter(self, name: str, index: np.ndarray | slice, runs: list[Run], values: np.ndarray) -> None:
-        """Write ``values`` at ``index``; each run is rewritten whole (it lies inside the item's region)."""
+        """Write ``values`` at ``index``; each run is rewritten whole (it lies inside the item's region): a
+        dense run straight from ``values``, any other read into this thread's buffer, patched there by the
+        compiled ``kernels.scatter`` (about half numpy's time for scattered elements) and written back."""
         loc = self.locations[name]
         uint = self._uint(name)
         values = np.ascontiguousarray(values, dtype=uint)
@@ -290,7 +293,7 @@ class InPlaceFiles:
                 data = values[run.lo : run.hi]
             else:
                 data = self.read(name, run.first, run.last + 1, scratch=True)
-                data[index[run.lo : run.hi] - run.first] = values[run.lo : run.hi]
+                scatter_into(data, index[run.lo : run.hi] - run.first, values[run.lo : run.hi])
             _write_values(fd, loc.start + run.first * uint.itemsize, _bytes(data))
 
     def digest(self, name: str) -> str:
