@@ -120,12 +120,12 @@ def apply(
         warm_up()  # while nothing is published yet: the first item then decodes at full speed
     chosen = _catch_up(deltas, since, version, storage_options, log) if since is not None else None
     opened = chosen if chosen is not None else resolve(deltas, version, storage_options, wait, on_wait, True)
-    if log:
-        for d in opened:
-            if isinstance(d, Delta) and d.fetched_early:
-                log(f"{d.manifest.target.version}: {d.fetched_early} blocks fetched while its push was still running")
+    early = sum(d.fetched_early for d in opened if isinstance(d, Delta))
+    if log and early:
+        log(f"{version}: {early} blocks fetched while its push was still running")
     try:
         result = apply_checkpoint(opened, into=into, workers=workers, verify=verify, log=log)
+        result.fetched_early = early
     finally:
         for d in opened:  # a store's blocks download in the background: stop what is no longer needed
             if isinstance(d, Delta):

@@ -4,6 +4,7 @@ through a counting proxy."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -48,7 +49,8 @@ def test_a_waiting_receiver_fetches_announced_blocks_before_the_version_is_publi
     shutil.copytree(tmp_path / "big-c0", receiver)
     proxy = CountingProxy(s3_endpoint.url)
     env = {**s3_endpoint.env(), "FSSPEC_S3_ENDPOINT_URL": proxy.url}
-    waiting = spawn_dcr("apply", s3_url, "--version", "v1", "--wait", "120", "--into", str(receiver), env=env)
+    args = ("apply", s3_url, "--version", "v1", "--wait", "120", "--into", str(receiver), "--json")
+    waiting = spawn_dcr(*args, env=env)
     try:
         blocks = _upload_announced(s3_url, s3_endpoint.storage_options, delta, "v1")
         # Nothing is published yet (no marker, no record): the receiver has every data block all the same.
@@ -64,7 +66,7 @@ def test_a_waiting_receiver_fetches_announced_blocks_before_the_version_is_publi
             waiting.kill()
         proxy.close()
     assert waiting.returncode == 0, err
-    assert f"v1: {len(blocks)} blocks fetched while its push was still running" in out
+    assert json.loads(out)["fetched_early"] == len(blocks)
     assert read_bits(receiver) == read_bits(tmp_path / "big-c1")
     for b in blocks:  # each once: none again after the record
         assert proxy.requests_for(f"/blocks/{b.id}") == 1, b.id

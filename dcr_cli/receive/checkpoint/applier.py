@@ -141,6 +141,7 @@ class ApplyResult:
     skipped: list[str]  # deltas already applied
     message: str
     verified: dict | None = None  # with verify: the report (VerifyReport.to_json), as dcr verify --json prints it
+    fetched_early: int = 0  # blocks fetched while the receiver waited for the version (store-v1 §4.6)
 
     @property
     def noop(self) -> bool:
