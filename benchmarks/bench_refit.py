@@ -726,6 +726,7 @@ def run_refit(
                 "total": ended - published,
                 "process_s": a.seconds,
                 "downloaded": payload_bytes + manifest_bytes,
+                "fetched_early": answer.get("fetched_early", 0),  # blocks it had before the publication
                 **pause,
             }
             recv.at = target
@@ -788,6 +789,7 @@ def run_refit(
         extra={
             "receiver_totals": {n: round(r["total"], 2) for n, r in results.items()},
             "receiver_process_s": {n: round(r["process_s"], 2) for n, r in results.items() if "process_s" in r},
+            "fetched_early": {n: r["fetched_early"] for n, r in results.items() if "fetched_early" in r},
             "commit_process_s": round(c.seconds, 2),
             "receiver_mode": mode,
             "pause_s": max((r["pause_s"] for r in results.values() if "pause_s" in r), default=None),
@@ -895,9 +897,11 @@ def report(r: Refit) -> None:
     elif mode in ("waiting", "vllm"):
         process = max(r.extra.get("receiver_process_s", {0: 0.0}).values())
         what = "apply --wait --vllm --ack (a live vLLM engine)" if mode == "vllm" else "apply --wait --verify --ack"
+        early = r.extra.get("fetched_early") or {}
+        fetched = f"; {min(early.values())} blocks fetched before the publication" if early else ""
         receiver = (
             f"{what} from the publication to its exit {st['apply']:.2f} s (one process, "
-            f"waiting when the producer started: {process:.2f} s in all)"
+            f"waiting when the producer started: {process:.2f} s in all{fetched})"
         )
         commit = (
             f"commit --wait after the last receiver's exit {st['commit']:.2f} s "
