@@ -78,6 +78,13 @@ def start_llm(model_dir: Path, **overrides):
     from vllm import LLM
 
     args = {**ENGINE_ARGS, "weight_transfer_config": {"backend": "dcr"}, **overrides}
+    # vLLM collects garbage five times while an engine starts (twice after loading the weights, three
+    # times before its own gc.freeze()), each a walk of the whole heap: in the test process (torch,
+    # transformers, vLLM, every test module) seconds each. Collected and frozen here first, between
+    # engines, the heap that was there before is left out of those walks; EngineCore.shutdown's
+    # gc.unfreeze() gives it back to the collector, as it does with what vLLM froze itself.
+    gc.collect()
+    gc.freeze()
     llm = LLM(model=str(model_dir), **args)
     _STARTED.append(llm)
     return llm
