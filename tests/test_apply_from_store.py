@@ -183,7 +183,15 @@ def test_vllm_applies_a_delta_opened_from_a_store(tmp_path: Path) -> None:
     from conftest import require_or_skip
 
     require_or_skip("vllm")
-    from vllm_support import differing, engine_env, ensure_plugin_entry_point, resident_bits, start_llm, train_run
+    from vllm_support import (
+        differing,
+        engine_env,
+        ensure_plugin_entry_point,
+        fresh_engine,
+        resident_bits,
+        start_llm,
+        train_run,
+    )
 
     import dcr_cli
 
@@ -194,6 +202,6 @@ def test_vllm_applies_a_delta_opened_from_a_store(tmp_path: Path) -> None:
     dcr_cli.push(paths[0].parent / "d1", store)
     llm = start_llm(paths[0])
     dcr_cli.apply_to_llm(llm, dcr_cli.open_delta(store, "step-1"))
-    fresh = start_llm(paths[1])
-    assert differing(resident_bits(llm), resident_bits(fresh)) == []
+    fresh = fresh_engine(paths[1])
+    assert differing(resident_bits(llm), fresh.bits) == []
     dcr_cli.verify_llm(llm, dcr_cli.open_delta(store, "step-1"))

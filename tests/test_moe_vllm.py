@@ -21,6 +21,7 @@ from vllm_support import (
     differing,
     engine_env,
     ensure_plugin_entry_point,
+    fresh_engine,
     greedy,
     resident_bits,
     resident_model,
@@ -88,9 +89,9 @@ def _chain_with_crash_matches_fresh_engine(paths, monkeypatch) -> None:
     verify_llm(llm)
 
     updated_bits, updated_tokens = resident_bits(llm), greedy(llm)
-    fresh = start_llm(paths[-1])
-    assert differing(updated_bits, resident_bits(fresh)) == []  # every parameter and buffer
-    assert updated_tokens == greedy(fresh)
+    fresh = fresh_engine(paths[-1])
+    assert differing(updated_bits, fresh.bits) == []  # every parameter and buffer
+    assert updated_tokens == fresh.tokens
     assert updated_tokens != base_tokens
 
 
@@ -106,7 +107,7 @@ def test_qwen2_moe_shared_expert_chain_with_crash_and_retry_is_bit_identical(qwe
 
 def test_plain_experts_generate_what_vllms_packed_kernel_generates(qwen3_moe, monkeypatch):
     # The plugin's experts compute the same function as vLLM's prepacked grouped GEMM (same greedy tokens).
-    plain = greedy(start_llm(qwen3_moe[-1]))
+    plain = fresh_engine(qwen3_moe[-1]).tokens
     monkeypatch.setenv("DCR_VLLM_CPU_KEEP_LAYOUT", "0")
     stock = greedy(start_llm(qwen3_moe[-1]))
     assert plain == stock

@@ -18,7 +18,7 @@ from conftest import require_or_skip
 
 require_or_skip("vllm")
 
-from vllm_support import differing, qwen3_run, resident_bits, start_llm
+from vllm_support import differing, fresh_engine, qwen3_run, resident_bits, start_llm
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import ConflictError, IncompatibleError, IntegrityError
@@ -130,8 +130,8 @@ def test_staged_pass_is_dropped_or_partial_and_the_result_is_exact(
     engine.finish(None)  # closes the update session (no version stamped), as the client does
     for i in range(2, len(qwen3)):
         apply_to_engine(InProcessEngine(llm), root / f"d{i}")
-    fresh = start_llm(qwen3[-1])
-    assert differing(resident_bits(llm), resident_bits(fresh)) == []
+    fresh = fresh_engine(qwen3[-1])
+    assert differing(resident_bits(llm), fresh.bits) == []
 
 
 def test_an_update_refused_before_any_write_resumes_and_the_next_apply_starts_a_new_session(

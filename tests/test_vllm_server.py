@@ -15,7 +15,7 @@ from conftest import require_or_skip
 
 require_or_skip("vllm")  # under CI a missing vLLM fails the run
 
-from vllm_support import PROMPTS, get_json, greedy, qwen3_run, served, start_llm
+from vllm_support import PROMPTS, fresh_engine, get_json, qwen3_run, served
 
 pytestmark = pytest.mark.vllm
 
@@ -64,6 +64,6 @@ def test_dcr_apply_and_verify_against_a_vllm_server(server, qwen3, dcr):
     assert json.loads(again.stdout)["steps"][0]["status"] == "noop"
 
     served_tokens = _complete(server, PROMPTS[0], 12)
-    fresh = start_llm(qwen3[-1])
-    assert served_tokens == greedy(fresh)[0]
+    fresh = fresh_engine(qwen3[-1])
+    assert served_tokens == fresh.tokens[0]
     assert served_tokens != base_tokens

@@ -19,7 +19,7 @@ from conftest import require_or_skip
 require_or_skip("vllm")
 
 from manifest_text import manifest_v1
-from vllm_support import differing, qwen3_run, resident_bits, resident_model, start_llm
+from vllm_support import differing, fresh_engine, qwen3_run, resident_bits, resident_model, start_llm
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IntegrityError
@@ -96,5 +96,5 @@ def test_a_noop_delta_establishes_the_engines_version_and_staged_items_hold_only
     report = receiver.apply(step)
     assert report.status == "applied" and report.staged == report.items == len(step.manifest.items)
     assert report.written_elements == sum(it.changed_elements for it in step.manifest.items)
-    fresh = start_llm(qwen3[1])
-    assert differing(resident_bits(llm), resident_bits(fresh)) == []
+    fresh = fresh_engine(qwen3[1])
+    assert differing(resident_bits(llm), fresh.bits) == []

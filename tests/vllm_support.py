@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -21,6 +22,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,13 @@ def start_llm(model_dir: Path, **overrides):
     from vllm import LLM
 
     args = {**ENGINE_ARGS, "weight_transfer_config": {"backend": "dcr"}, **overrides}
+    # vLLM collects garbage five times while an engine starts (twice after loading the weights, three
+    # times before its own gc.freeze()), each a walk of the whole heap: in the test process (torch,
+    # transformers, vLLM, every test module) seconds each. Collected and frozen here first, between
+    # engines, the heap that was there before is left out of those walks; EngineCore.shutdown's
+    # gc.unfreeze() gives it back to the collector, as it does with what vLLM froze itself.
+    gc.collect()
+    gc.freeze()
     llm = LLM(model=str(model_dir), **args)
     _STARTED.append(llm)
     return llm
@@ -191,13 +200,60 @@ def train_run(root: Path, arch: str, tie: bool, steps: int = 3) -> list[Path]:
     return paths
 
 
+# qwen3_run's chains, by step count: trained once per session (tests only read them; each test writes
+# its own bad or extra deltas under its tmp_path).
+_QWEN3_RUNS: dict[int, list[Path]] = {}
+
+
 def qwen3_run(tmp_path_factory: Any, name: str, steps: int = 3) -> list[Path]:
     """The preamble of the tests that run a tiny Qwen3 in vLLM: the engine's environment and dcr's plugin
     entry point set up, then ``train_run`` of an untied Qwen3 under a fresh temporary directory ``name``
-    (checkpoints step-0..N beside deltas d1..dN)."""
+    (checkpoints step-0..N beside deltas d1..dN). The same ``steps`` give the same chain, so it is trained
+    once per session, under the first caller's ``name``, and shared by the modules that ask for it."""
     engine_env()
     ensure_plugin_entry_point()
-    return train_run(tmp_path_factory.mktemp(name), "qwen3", tie=False, steps=steps)
+    if steps not in _QWEN3_RUNS:
+        _QWEN3_RUNS[steps] = train_run(tmp_path_factory.mktemp(name), "qwen3", tie=False, steps=steps)
+    return list(_QWEN3_RUNS[steps])
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """What a fresh engine on a checkpoint holds and generates: ``resident_bits`` and ``greedy`` of it."""
+
+    bits: dict
+    tokens: list[list[int]]
+
+
+# fresh_engine's records, by checkpoint content, engine arguments and the plugin's layout switch.
+_FRESH: dict[tuple[str, str, str | None], Fresh] = {}
+
+
+def checkpoint_digest(model_dir: Path) -> str:
+    """A digest of every file of a checkpoint directory (names and bytes)."""
+    h = hashlib.blake2b(digest_size=32)
+    for path in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(model_dir)).encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def fresh_engine(model_dir: Path, **overrides: Any) -> Fresh:
+    """``resident_bits`` and ``greedy`` of a fresh engine (``start_llm(model_dir, **overrides)``), the
+    reference a refitted engine is compared with. A fresh engine's bits and tokens depend only on the
+    checkpoint's bytes and the engine's arguments (the tests compare two engines on that), so one is
+    started the first time a checkpoint content is asked for with these arguments, in this session, and
+    its record serves every later test that asks for the same: each engine start costs tens of seconds
+    on CPU. The engine is shut down at the end of the test that started it, like any other."""
+    key = (
+        checkpoint_digest(model_dir),
+        json.dumps(overrides, sort_keys=True),
+        os.environ.get("DCR_VLLM_CPU_KEEP_LAYOUT"),
+    )
+    if key not in _FRESH:
+        llm = start_llm(model_dir, **overrides)
+        _FRESH[key] = Fresh(resident_bits(llm), greedy(llm))
+    return _FRESH[key]
 
 
 @contextlib.contextmanager
