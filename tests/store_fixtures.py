@@ -324,7 +324,8 @@ class LoopbackProxy:
     """A TCP proxy on 127.0.0.1 in front of an HTTP endpoint; subclasses look at what passes.
 
     ``admit`` decides per accepted connection whether it is forwarded (False: reset at once);
-    ``seen`` is called, under ``self.lock``, with every chunk before it is forwarded. ``state`` is a
+    ``seen`` is called, under ``self.lock``, with every chunk before it is forwarded (then
+    ``before_forwarding``, outside the lock, which may hold it back). ``state`` is a
     per-connection list both directions share (HTTP/1.1 clients send one request at a time on a
     connection, so the bytes coming back belong to the last request line sent on it).
     """
@@ -345,6 +346,9 @@ class LoopbackProxy:
     def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
         pass
 
+    def before_forwarding(self, data: bytes, upstream: bool) -> None:
+        """Called, outside the lock, with every chunk just before it is forwarded: it may wait."""
+
     def _serve(self) -> None:
         while True:
             try:
@@ -363,6 +367,7 @@ class LoopbackProxy:
             while data := src.recv(1 << 16):
                 with self.lock:
                     self.seen(data, upstream, state)
+                self.before_forwarding(data, upstream)
                 dst.sendall(data)
         except OSError:
             pass
