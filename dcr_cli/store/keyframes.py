@@ -885,7 +885,16 @@ def _pull_steps(
     for s in steps:
         assert s.record is not None and s.kind != "keyframe"
         pulled = _pull_record(
-            store, s.record, out_dir / step_directory(s), workers, progress, limiter, repair, repairs_checked=True
+            store,
+            s.record,
+            out_dir / step_directory(s),
+            workers,
+            progress,
+            limiter,
+            repair,
+            repairs_checked=True,
+            kind=s.kind,
+            replace_other=True,  # its own names: a re-run replaces a copy that is not this step's (an older shortcut)
         )
         out.append(replace(pulled, kind=s.kind))
     return out
