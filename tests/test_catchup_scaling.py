@@ -16,7 +16,6 @@ import shutil
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 from helpers_checkpoints import copy_checkpoint, read_raw
 from store_fixtures import CountingProxy, S3Endpoint, make_deltas

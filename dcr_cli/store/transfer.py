@@ -729,11 +729,13 @@ def _pull_record(
         # Rename while still holding the lock; only then drop the lock file (now inside out, where
         # readers ignore it). Unlinking it first would let a second pull lock a fresh file and
         # clear the blocks under us before the rename.
-        if replace_other and (out.exists() or out.is_symlink()):
-            # Verified and complete: the old copy steps aside, this one takes its name, then the old one goes.
+        if replace_other:
+            # Verified and complete: the old copy steps aside, this one takes its name, then the old one goes
+            # (as does one a replacement killed between its two renames left).
             old = out.parent / f".{out.name}.replaced"
             _remove(old)
-            os.rename(out, old)
+            if out.exists() or out.is_symlink():
+                os.rename(out, old)
             os.rename(partial, out)
             fsync_dir(out.parent)
             _remove(old)
