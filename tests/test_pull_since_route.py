@@ -8,16 +8,17 @@ could fetch a keyframe in place of the receiver's checkpoint."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers_checkpoints import copy_checkpoint, read_raw
-from store_fixtures import commit_each, json_out, make_deltas, one_error_line, run_dcr
+from store_fixtures import commit_each, delta_files, json_out, make_deltas, one_error_line, run_dcr
 
 import dcr_cli
 from dcr_cli.delta.reader import Delta
-from dcr_cli.store import gc
+from dcr_cli.store import Store, gc
 from dcr_cli.store.keyframes import compact, plan, publish_keyframe
 
 
@@ -85,3 +86,70 @@ def test_pull_since_fetches_the_route_apply_takes_and_a_receiver_ends_bit_exact(
     line = one_error_line(run_dcr("pull", url, "--since", "v0", "-o", str(tmp_path / "v0"), env=env))
     assert "no path from v0" in line and "dcr pull --join" in line, line
     assert not (tmp_path / "v0").exists()
+
+
+def test_a_rerun_into_a_directory_holding_an_older_shortcut_of_the_same_states_replaces_it(tmp_path: Path) -> None:
+    """The shortcut v1 -> v3 published again (gc dropped its damaged record, dcr compact made it anew: another
+    manifest of the same states): re-running the same ``dcr pull --since`` replaces the old copy, reusing its
+    blocks whose digests match, once the new one is verified; a fetch that fails leaves the old copy as it
+    was. Before, the re-run failed (exit 3, "not an intact copy of version 'v3'") until OUT was removed."""
+    url = str(tmp_path / "store")
+    ckpts = _store(tmp_path, url, {})
+    out = tmp_path / "out"
+    first = json_out(run_dcr("pull", url, "--since", "v1", "-o", str(out), "--json"))
+    assert set(first) == {"versions"}  # the shape README documents: one entry per step, in apply order
+    assert [(v["kind"], v["base"], v["version"], Path(v["path"]).name) for v in first["versions"]] == [
+        ("shortcut", "v1", "v3", "shortcut-v1-v3"),
+        ("chain", "v3", "v4", "v4"),
+    ]
+    for v in first["versions"]:
+        assert set(v) == {
+            "store", "version", "base", "target_fingerprint", "path", "manifest", "blocks", "downloaded_blocks",
+            "downloaded_bytes", "reused_blocks", "reused_bytes", "already_present", "kind",
+        }  # fmt: skip
+        assert Delta.open(v["path"]).id == v["manifest"] and not v["already_present"]
+    old_manifest = first["versions"][0]["manifest"]
+
+    store = Store(url)
+    store.put("shortcuts/v1/v3.json", b'{"format": "dcr.store.shortcut", "format_ver')  # damaged
+    gc(url, keep=4, grace_s=0)
+    time.sleep(1.1)  # the squashed manifest says when it was made (in seconds): this one is another manifest
+    assert compact(url, every=2).published == ["v1..v3"]
+    route = plan(url, "v1", allow_keyframe=False)
+    new = route.steps[0].record
+    assert route.steps[0].kind == "shortcut" and new is not None and new.manifest != old_manifest
+
+    # A fetch that fails (the store's copy of a block it must fetch is corrupt) leaves the old copy whole.
+    shortcut = out / "shortcut-v1-v3"
+    (block,) = (shortcut / "blocks").iterdir()
+    block.write_bytes(bytes(b ^ 0xFF for b in block.read_bytes()))  # the local copy no longer matches
+    kept = delta_files(shortcut)
+    good = store.read(f"blocks/{block.name}")
+    store.put(f"blocks/{block.name}", bytes(b ^ 0x01 for b in good))
+    failed = run_dcr("pull", url, "--since", "v1", "-o", str(out), "--no-progress")
+    assert failed.returncode == 2 and "corrupt on the store" in one_error_line(failed)
+    assert "shortcut v1->v3" in one_error_line(failed)  # not "version 'v3'"
+    assert delta_files(shortcut) == kept
+    assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".partial")) == ["shortcut-v1-v3", "v4"]
+
+    # The store repaired: the same command replaces the old copy; what matched is kept.
+    store.put(f"blocks/{block.name}", good)
+    again = json_out(run_dcr("pull", url, "--since", "v1", "-o", str(out), "--json"))
+    listed = [(v["kind"], v["version"], v["already_present"], v["downloaded_blocks"]) for v in again["versions"]]
+    assert listed == [("shortcut", "v3", False, 1), ("chain", "v4", True, 0)]
+    assert Delta.open(shortcut).id == new.manifest
+    assert sorted(p.name for p in out.iterdir()) == ["shortcut-v1-v3", "v4"]  # no partial or old copy left
+    recv = copy_checkpoint(ckpts[1], tmp_path / "recv")
+    for name in ("shortcut-v1-v3", "v4"):
+        dcr_cli.apply(out / name, into=recv, workers=1)
+    assert read_raw(recv) == read_raw(ckpts[4])
+
+    # Intact blocks of the old copy are reused by digest, not fetched again (data blocks of a shortcut
+    # made anew from the same states are the same bytes).
+    store.put("shortcuts/v1/v3.json", b"{")
+    gc(url, keep=4, grace_s=0)
+    time.sleep(1.1)
+    assert compact(url, every=2).published == ["v1..v3"]
+    third = json_out(run_dcr("pull", url, "--since", "v1", "-o", str(out), "--json"))["versions"][0]
+    assert (third["already_present"], third["downloaded_blocks"], third["reused_blocks"]) == (False, 0, 1)
+    assert Delta.open(shortcut).id == third["manifest"] != new.manifest

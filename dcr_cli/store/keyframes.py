@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from .repo import (
     VersionRecord,
     check_label,
     dumps,
+    is_label,
     utc_now,
 )
 from .transfer import (
@@ -214,11 +215,16 @@ def shortcut_label(rel: str) -> str:
     return f"{base}..{name.removesuffix('.json')}"
 
 
-def shortcuts(store: Store, damaged: dict[str, str] | None = None) -> list[Shortcut]:
-    """Every shortcut record of the store. A damaged one raises DamagedShortcut, or with ``damaged`` is left
-    out and noted there (its object name -> why)."""
+def shortcuts(
+    store: Store, damaged: dict[str, str] | None = None, bases: Collection[str] | None = None
+) -> list[Shortcut]:
+    """Every shortcut record of the store (with ``bases``: those under ``shortcuts/<base>/`` of these bases
+    only). A damaged one raises DamagedShortcut, or with ``damaged`` is left out and noted there (its
+    object name -> why)."""
     out: list[Shortcut] = []
     for base in store.list_dirs(SHORTCUTS):
+        if bases is not None and base not in bases:
+            continue
         for entry in store.list(f"{SHORTCUTS}/{base}"):
             if not entry.name.endswith(".json") or entry.name.startswith(TMP_PREFIX):
                 continue
@@ -238,6 +244,63 @@ def shortcuts(store: Store, damaged: dict[str, str] | None = None) -> list[Short
 def committed_order(store: Store) -> list[Ref]:
     """Genesis, then every committed version, oldest first."""
     return [store.genesis(), *(c.target for c in store.chain())]
+
+
+def _committed_ref(store: Store, version: str) -> Ref | None:
+    """The committed state ``version`` (the genesis or a committed version), asked in at most two reads (its
+    version record, the commit record on its base); None if it is no committed state."""
+    genesis = store.genesis()
+    if version == genesis.version:
+        return genesis
+    if not is_label(version):
+        return None
+    record = store.version(version)
+    if record is None:
+        return None
+    commit = store.commit_on(record.base.version)
+    return commit.target if commit is not None and commit.version == version else None
+
+
+def order_from(store: Store, since: str | None, others: Collection[str] = ()) -> list[Ref] | None:
+    """The committed states from the oldest of ``since`` and the committed ``others`` to the head, oldest
+    first, read forwards from each (the commit record on a state names its committed successor, store-v1
+    §3.4): requests in proportion to the versions after the oldest start, none for the history before it.
+    None where ``since`` is no committed state, nothing is to start from, or the walks do not meet on one
+    chain (a damaged store): the caller then takes :func:`committed_order`, and its checks and messages."""
+    refs: dict[str, Ref] = {}
+    if since is not None:
+        ref = _committed_ref(store, since)
+        if ref is None:
+            return None
+        refs[since] = ref
+    for v in others:
+        if v not in refs and (ref := _committed_ref(store, v)) is not None:  # else no start (no committed state)
+            refs[v] = ref
+    if not refs:
+        return None
+    successor: dict[str, Ref] = {}
+    walked: set[str] = set()
+    for v in refs:  # each walk stops where an earlier one went: every committed state is read once
+        current = v
+        while current not in walked:
+            walked.add(current)
+            commit = store.commit_on(current)
+            if commit is None:
+                break
+            successor[current] = commit.target
+            current = commit.version
+    reached = {r.version for r in successor.values()}
+    first = [v for v in refs if v not in reached]
+    if len(first) != 1:
+        return None
+    order = [refs[first[0]]]
+    seen = {first[0]}
+    while (nxt := successor.get(order[-1].version)) is not None:
+        if nxt.version in seen:
+            return None  # the commit chain loops: committed_order says so
+        seen.add(nxt.version)
+        order.append(nxt)
+    return order if all(v in seen for v in refs) else None
 
 
 def newest_keyframe(store: Store) -> KeyframeRecord | None:
@@ -687,8 +750,19 @@ def plan(
     """The cheapest steps, by payload bytes, from committed ``since`` (None: no state) to ``until`` (the tip)."""
     store = Store(url, storage_options)
     store.require_marker()
-    order = committed_order(store)
     target = resolve(store, until)
+    frames = keyframes(store) if allow_keyframe or since is None else {}
+    # A route starts at ``since`` or at a keyframe: only the committed states from the oldest such start on
+    # matter, read forwards from it (a catch-up costs requests for the versions after ``since``, not for the
+    # whole history). Whatever that walk does not settle (a start of no committed state, a target before
+    # it) takes the whole order, whose checks give the messages.
+    window = order_from(store, since, frames)
+    if window is not None and (
+        target.version in {r.version for r in window} or target.base.version == window[-1].version
+    ):
+        order = window
+    else:
+        order = committed_order(store)
     names = [r.version for r in order]
     if target.version not in names:
         if target.base.version != names[-1]:
@@ -707,7 +781,7 @@ def plan(
         if store.exists(f"{MANIFESTS}/{record.manifest}.json"):  # gc removes old versions' manifests
             edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
     damaged: dict[str, str] = {}  # records that are no shortcut record: no route (dcr check reports them)
-    for s in shortcuts(store, damaged):
+    for s in shortcuts(store, damaged, bases=pos):  # one based before every start is on no route
         b, t = s.record.base, s.record.target
         # A shortcut joins two committed states (§6.2): by their fingerprints, not only their labels, as a
         # keyframe is matched. One that names a committed label with another state (a hostile or damaged
@@ -719,7 +793,6 @@ def plan(
             and store.exists(f"{MANIFESTS}/{s.record.manifest}.json")
         ):
             edges.append(Step("shortcut", b.version, t.version, s.record.payload_bytes, record=s.record))
-    frames = keyframes(store) if allow_keyframe or since is None else {}
 
     def cheapest(starts: dict[int, tuple[int, list[Step]]]) -> tuple[int, list[Step]] | None:
         best = dict(starts)
@@ -812,7 +885,16 @@ def _pull_steps(
     for s in steps:
         assert s.record is not None and s.kind != "keyframe"
         pulled = _pull_record(
-            store, s.record, out_dir / step_directory(s), workers, progress, limiter, repair, repairs_checked=True
+            store,
+            s.record,
+            out_dir / step_directory(s),
+            workers,
+            progress,
+            limiter,
+            repair,
+            repairs_checked=True,
+            kind=s.kind,
+            replace_other=True,  # its own names: a re-run replaces a copy that is not this step's (an older shortcut)
         )
         out.append(replace(pulled, kind=s.kind))
     return out

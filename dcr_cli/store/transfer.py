@@ -611,12 +611,20 @@ def _pull_record(
     limiter: RateLimit | None,
     repair: bool,
     repairs_checked: bool = False,
+    *,
+    kind: str = "chain",
+    replace_other: bool = False,
 ) -> PullResult:
+    """Fetch ``record``'s delta into ``out`` (``kind``: "chain", a version's own; "shortcut", a squashed
+    one). An intact copy there is kept; another one is refused, or with ``replace_other`` (the directories a
+    pull --since names itself) fetched anew beside it, its blocks reused where their digests match, and put
+    in its place only once verified: a failed fetch leaves it as it was."""
+    what = f"shortcut {record.base.version}->{record.version}" if kind == "shortcut" else f"version {record.version!r}"
     raw = store.manifest_bytes(record)  # checked against the digest in the version record
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
-        raise IntegrityError(f"{store.url}: manifest of {record.version!r} does not match its version record")
+        raise IntegrityError(f"{store.url}: manifest of {what} does not match its record")
     roles = ("data", "repair") if repair else ("data",)
     wanted = list({b.id: b for b in manifest.blocks if b.role in roles}.values())
 
@@ -644,10 +652,9 @@ def _pull_record(
             present = [b for b in wanted if _local_block_ok(out / BLOCKS_DIR / b.id, b)]
             if len(present) == len(wanted):
                 return result([], present, True)
-        raise ConflictError(
-            f"{out} already exists and is not an intact copy of version {record.version!r}; "
-            "choose another -o or remove it"
-        )
+        if replace_other:
+            return None
+        raise ConflictError(f"{out} already exists and is not an intact copy of {what}; choose another -o or remove it")
 
     done = already_pulled()
     if done is not None:
@@ -673,6 +680,8 @@ def _pull_record(
             write_atomic(state, record.manifest.encode())
         blocks_dir = partial / BLOCKS_DIR
         blocks_dir.mkdir(exist_ok=True)
+        if replace_other and out.is_dir():  # the copy to replace: its blocks that match are not fetched again
+            _link_blocks(out / BLOCKS_DIR, blocks_dir, wanted)
         reused = [b for b in wanted if _local_block_ok(blocks_dir / b.id, b)]
         reused_ids = {b.id for b in reused}
         missing = [b for b in wanted if b.id not in reused_ids]
@@ -700,13 +709,13 @@ def _pull_record(
                     fetcher.keep(block.id, blocks_dir / block.id)
         except MissingBlock as exc:
             raise IntegrityError(
-                f"{store.url}: a block of version {record.version!r} is missing from the store ({exc}); "
+                f"{store.url}: a block of {what} is missing from the store ({exc}); "
                 "restore it with dcr push DELTA URL, then pull again"
             ) from None
         except IntegrityError:
             which = f"block {block.id[:16]}…" if block is not None else "a block"
             raise IntegrityError(
-                f"{store.url}: {which} of version {record.version!r} is corrupt on the store (wrong size or "
+                f"{store.url}: {which} of {what} is corrupt on the store (wrong size or "
                 "digest); nothing was written to the output — repair it with dcr push DELTA URL --verify-remote, "
                 "then pull again"
             ) from None
@@ -720,11 +729,43 @@ def _pull_record(
         # Rename while still holding the lock; only then drop the lock file (now inside out, where
         # readers ignore it). Unlinking it first would let a second pull lock a fresh file and
         # clear the blocks under us before the rename.
-        os.rename(partial, out)
-        fsync_dir(out.parent)
+        if replace_other:
+            # Verified and complete: the old copy steps aside, this one takes its name, then the old one goes
+            # (as does one a replacement killed between its two renames left).
+            old = out.parent / f".{out.name}.replaced"
+            _remove(old)
+            if out.exists() or out.is_symlink():
+                os.rename(out, old)
+            os.rename(partial, out)
+            fsync_dir(out.parent)
+            _remove(old)
+        else:
+            os.rename(partial, out)
+            fsync_dir(out.parent)
         with contextlib.suppress(FileNotFoundError):
             (out / ".lock").unlink()
     return result(missing, reused, False)
+
+
+def _link_blocks(src: Path, dst: Path, wanted: list[BlockEntry]) -> None:
+    """Hard-link (or copy) into ``dst`` the blocks of ``wanted`` that ``src`` has (checked after, by digest);
+    ``src`` itself is left as it is."""
+    for b in wanted:
+        held, there = src / b.id, dst / b.id
+        if there.exists() or not held.is_file() or held.is_symlink():
+            continue
+        try:
+            os.link(held, there)
+        except OSError:
+            with contextlib.suppress(OSError):
+                shutil.copyfile(held, there)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def _local_block_ok(path: Path, block: BlockEntry) -> bool:
