@@ -103,7 +103,14 @@ def shut_down_engines() -> None:
     engine's start (after loading the weights): that engine then failed with "world group is not
     initialized", in whichever test or file came later (e.g. an in-process test run after
     test_vllm_pause.py). Held here until the test ends and shut down then, an engine is never finalized
-    at such a moment: ``shutdown()`` detaches that finalizer, so collecting it later tears nothing down."""
+    at such a moment: ``shutdown()`` detaches that finalizer, so collecting it later tears nothing down.
+
+    A test that started no engine shuts nothing down and is not collected after: nothing was unfrozen,
+    and a collection of the whole heap (torch, vLLM, every collected test module: a few tenths of a
+    second) after each of the suite's tests would cost minutes (every test of the run, since this module
+    is imported as the tests are collected)."""
+    if not _STARTED:
+        return
     while _STARTED:
         _STARTED.pop(0).llm_engine.engine_core.shutdown()
     gc.collect()
