@@ -71,7 +71,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    """Stop the shared vLLM servers once no later module uses them (no idle server through the rest of the run)."""
+    """Stop the shared vLLM servers when the next test is in a module that does not use them (no idle server
+    through the rest of the run; a later module that asks again gets a fresh one)."""
     yield
     support = sys.modules.get("vllm_support")
     module = getattr(nextitem, "module", None)
