@@ -53,7 +53,7 @@ def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         if LAYOUTS[request.param].get("singleton"):
             keys = {**REAL_MEGATRON_KEYS, "decoder.layers.mlp.linear_fc1.layer_norm_weight": PRE_MLP}
             full = {keys.get(k, k): v for k, v in restack_singleton(full, MOE).items()}
-        (root / tag / "hf").mkdir()
+        (root / tag / "hf").mkdir(exist_ok=True)  # the checkpoint is the session's: set up again, same export
         save_file(megatron_to_hf(full, MOE), str(root / tag / "hf" / "model.safetensors"))
     return request.param, root
 

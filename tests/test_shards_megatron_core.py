@@ -44,7 +44,7 @@ def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     root = megatron_core_checkpoint(tmp_path_factory, f"core-{request.param}")
     for tag in ("base", "target"):
         full = full_tensors_from_dcp(root / tag / "torch_dist", root, moe=request.param == "moe")
-        (root / tag / "hf").mkdir()
+        (root / tag / "hf").mkdir(exist_ok=True)  # the checkpoint is the session's: set up again, same export
         save_file(megatron_to_hf(full, cfg), str(root / tag / "hf" / "model.safetensors"))
     return root, cfg
 
