@@ -49,6 +49,37 @@ def _shut_down_vllm_engines():
         support.shut_down_engines()
 
 
+@pytest.fixture
+def shared_qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A real ``vllm serve`` of step-0 of the session's 3-step tiny Qwen3 chain (vllm_support.qwen3_run), in
+    the state a fresh server starts in: one server serves every test that asks for it, reset to step-0
+    through dcr before each test after the first (vllm_support.shared_server)."""
+    from vllm_support import qwen3_run, shared_server
+
+    return shared_server(qwen3_run(tmp_path_factory, "qwen3"), tmp_path_factory)
+
+
+# The modules with a test that uses shared_qwen3_server (pytest_collection_finish fills it).
+_SHARED_SERVER_MODULES: set[str] = set()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _SHARED_SERVER_MODULES.update(
+        item.module.__name__ for item in session.items if "shared_qwen3_server" in getattr(item, "fixturenames", ())
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Stop the shared vLLM servers when the next test is in a module that does not use them (no idle server
+    through the rest of the run; a later module that asks again gets a fresh one)."""
+    yield
+    support = sys.modules.get("vllm_support")
+    module = getattr(nextitem, "module", None)
+    if support is not None and (module is None or module.__name__ not in _SHARED_SERVER_MODULES):
+        support.close_shared_servers()
+
+
 # Tests never read or write the user's digest cache.
 os.environ.setdefault("DCR_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"dcr-test-cache-{os.getpid()}"))
 

@@ -12,13 +12,15 @@ only its forward uses it; the writer gives it an empty stand-in module, so megat
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
-from shard_writers import megatron_gpt_worker, spawn_ranks
+from shard_writers import _megatron_worker, megatron_gpt_worker, spawn_ranks
 
 LAYOUTS: dict[str, dict[str, int | bool]] = {
     "ep2-sequential": dict(tp=1, ep=2, etp=1, grouped=False),
@@ -32,16 +34,17 @@ LAYOUTS: dict[str, dict[str, int | bool]] = {
 }
 
 
-def _worker(rank: int, world: int, out: str, cfg: dict, layout: dict) -> None:
-    if layout["grouped"] and "grouped_gemm" not in sys.modules:
+def _grouped_gemm_stand_in() -> None:
+    if "grouped_gemm" not in sys.modules:  # before megatron-core is imported: it looks once, at import
         stand_in = types.ModuleType("grouped_gemm")
         stand_in.ops = types.SimpleNamespace()  # type: ignore[attr-defined]
         sys.modules["grouped_gemm"] = stand_in
-    megatron_gpt_worker(
-        rank,
-        world,
-        out,
-        cfg,
+
+
+def moe_layout(name: str) -> dict[str, Any]:
+    """megatron_gpt_worker's arguments for the MoE layout ``name`` of LAYOUTS."""
+    layout = LAYOUTS[name]
+    return dict(
         tp=int(layout["tp"]),
         ep=int(layout["ep"]),
         etp=int(layout["etp"]),
@@ -51,10 +54,46 @@ def _worker(rank: int, world: int, out: str, cfg: dict, layout: dict) -> None:
     )
 
 
-def write_megatron_moe(out: str | Path, cfg: dict, layout: str) -> Path:
-    out = Path(out)
-    spawn_ranks(_worker, 2, str(out), cfg, LAYOUTS[layout])
-    return out
+def _write_together(rank: int, world: int, out: str, jobs: list[tuple[str, dict, dict[str, Any]]]) -> None:
+    """Each job (name, cfg, megatron_gpt_worker's layout arguments) in turn on the same gloo ranks, into
+    ``out/name``; megatron-core's model-parallel groups are torn down between two."""
+    if any(layout.get("grouped") for _, _, layout in jobs):
+        _grouped_gemm_stand_in()
+    for name, cfg, layout in jobs:
+        megatron_gpt_worker(rank, world, f"{out}/{name}", cfg, **layout)
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+
+# megatron_core_checkpoint's jobs, by name (registered as the test modules are imported), and the
+# checkpoints written so far.
+_JOBS: dict[str, tuple[dict, dict[str, Any]]] = {}
+_WRITTEN: dict[str, Path] = {}
+
+
+def register_megatron_core(name: str, cfg: dict, **layout: Any) -> None:
+    """Declare a checkpoint (base and target torch_dist, megatron_gpt_worker(cfg, **layout) on 2 ranks) that
+    ``megatron_core_checkpoint(name)`` gives; a test module registers its own names when it is imported."""
+    job = (copy.deepcopy(cfg), layout)
+    if _JOBS.setdefault(name, job) != job:
+        raise ValueError(f"megatron-core checkpoint {name!r} is registered twice, differently")
+
+
+def megatron_core_checkpoint(tmp_path_factory: Any, name: str) -> Path:
+    """The root (``base/torch_dist``, ``target/torch_dist``) of the registered checkpoint ``name``.
+
+    Two gloo ranks that import torch and megatron-core cost about ten seconds before they write
+    anything, so the first call writes every registered checkpoint not written yet, in one run of the
+    ranks (by megatron-core's own writer, one after the other, each on its own parallel layout), and
+    later calls, from any module of the session, get theirs from it. The checkpoints are only read; the
+    module that registered a name may add its own exports beside them (``base/hf``)."""
+    if name not in _WRITTEN:
+        todo = [(n, *job) for n, job in _JOBS.items() if n not in _WRITTEN]
+        root = tmp_path_factory.mktemp("megatron-core")
+        spawn_ranks(_write_together, 2, str(root), todo)
+        _WRITTEN.update({n: root / n for n, _, _ in todo})
+    return _WRITTEN[name]
 
 
 def restack_singleton(full: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
@@ -117,3 +156,14 @@ def write_te_grouped_spelling(src: str | Path, dst: str | Path, scratch: str | P
             out[name] = torch.cat([v, full[k[:-2] + "_v"]]) if m.group(4) == "_w" else v
     dcp.save(out, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
     return Path(dst)
+
+
+def _hand_written_together(rank: int, world: int, jobs: list[tuple[str, dict]]) -> None:
+    for out, cfg in jobs:
+        _megatron_worker(rank, world, out, cfg, {"base": 11, "target": 11})
+
+
+def write_megatron_checkpoints_together(jobs: list[tuple[str | Path, dict]], world: int = 2) -> None:
+    """``shard_writers.write_megatron_checkpoints(out, cfg, world)`` (the hand-written torch_dist layout) for
+    every (out, cfg) of ``jobs``, in one run of the gloo ranks: they start once, not once per checkpoint."""
+    spawn_ranks(_hand_written_together, world, [(str(out), cfg) for out, cfg in jobs])

@@ -29,27 +29,31 @@ require_or_skip("megatron.core.dist_checkpointing")
 from moe_megatron_writers import (
     LAYOUTS,
     chunk_boxes,
+    megatron_core_checkpoint,
+    moe_layout,
+    register_megatron_core,
     restack_singleton,
-    write_megatron_moe,
     write_te_grouped_spelling,
 )
 from test_shards_megatron import COMMON
 
 MOE = {**COMMON, "tie_word_embeddings": False, "num_experts": 4, "moe_intermediate_size": 8,
        "megatron": {"padded_vocab_size": 64}}  # fmt: skip
+for _layout in LAYOUTS:
+    register_megatron_core(f"moe-{_layout}", MOE, **moe_layout(_layout))
 PRE_MLP = "decoder.layers.pre_mlp_layernorm.weight"  # the local MoE spec's pre-MLP norm, as megatron_to_hf reads it
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"  # [L, E, 2F, H], SequentialMLP's and GroupedMLP's key
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    root = write_megatron_moe(tmp_path_factory.mktemp(request.param), MOE, request.param)
+    root = megatron_core_checkpoint(tmp_path_factory, f"moe-{request.param}")
     for tag in ("base", "target"):
         full = full_tensors_from_dcp(root / tag / "torch_dist", root, moe=True)
         if LAYOUTS[request.param].get("singleton"):
             keys = {**REAL_MEGATRON_KEYS, "decoder.layers.mlp.linear_fc1.layer_norm_weight": PRE_MLP}
             full = {keys.get(k, k): v for k, v in restack_singleton(full, MOE).items()}
-        (root / tag / "hf").mkdir()
+        (root / tag / "hf").mkdir(exist_ok=True)  # the checkpoint is the session's: set up again, same export
         save_file(megatron_to_hf(full, MOE), str(root / tag / "hf" / "model.safetensors"))
     return request.param, root
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import run_dcr
-from shard_writers import write_megatron_checkpoints
-from test_shards_megatron import DENSE
+from test_shards_megatron import DENSE, built
 
 from dcr_cli.errors import IncompatibleError
 from dcr_cli.produce import diff
@@ -26,9 +25,7 @@ from dcr_cli.produce import diff
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("megatron")
-    write_megatron_checkpoints(root, DENSE, world=2)
-    return root
+    return built(tmp_path_factory, "dense")  # write_megatron_checkpoints(root, DENSE, world=2), shared
 
 
 def _with(change: dict[str, Any], megatron_options: dict[str, Any] | None = None, drop: str = "") -> dict[str, Any]:

@@ -10,9 +10,10 @@ import copy
 from pathlib import Path
 
 import pytest
+from moe_megatron_writers import write_megatron_checkpoints_together
 from safetensors.torch import save_file
 from shard_oracle import assert_oracle
-from shard_writers import megatron_globals, megatron_to_hf, mutate_megatron, write_megatron_checkpoints
+from shard_writers import megatron_globals, megatron_to_hf, mutate_megatron
 
 from dcr_cli.checkpoints import detect_format
 from dcr_cli.delta.inspect import inspect
@@ -43,8 +44,8 @@ MOE = {
 }
 
 
-def build(root: Path, cfg: dict) -> Path:
-    write_megatron_checkpoints(root, cfg, world=2)
+def export_hf(root: Path, cfg: dict) -> Path:
+    """The dense HF conversions (``megatron_to_hf``) of the checkpoints under ``root`` (base, target), beside them."""
     base = megatron_globals(cfg, 11)
     for tag, tensors in (("base", base), ("target", mutate_megatron(base, cfg))):
         (root / tag / "hf").mkdir(parents=True)
@@ -52,14 +53,30 @@ def build(root: Path, cfg: dict) -> Path:
     return root
 
 
+# built's checkpoints, by name, once per session.
+_BUILT: dict[str, Path] = {}
+
+
+def built(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """shard_writers' ``write_megatron_checkpoints(root, cfg, world=2)`` and ``export_hf`` of DENSE ("dense")
+    or MOE ("moe"): both are written the first time either is asked for, in one run of the gloo ranks, and
+    shared (read-only) by the tests of the session (test_review9_megatron reads "dense" too)."""
+    if not _BUILT:
+        roots = {"dense": tmp_path_factory.mktemp("dense"), "moe": tmp_path_factory.mktemp("moe")}
+        cfgs = {"dense": DENSE, "moe": MOE}
+        write_megatron_checkpoints_together([(roots[n], cfgs[n]) for n in roots], world=2)
+        _BUILT.update({n: export_hf(roots[n], cfgs[n]) for n in roots})
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(tmp_path_factory.mktemp("dense"), DENSE)
+    return built(tmp_path_factory, "dense")
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(tmp_path_factory.mktemp("moe"), MOE)
+    return built(tmp_path_factory, "moe")
 
 
 def test_megatron_dense_is_exact(dense: Path, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from conftest import require_or_skip
 from safetensors.torch import save_file
 from shard_oracle import assert_oracle
-from shard_writers import full_tensors_from_dcp, megatron_to_hf, write_real_megatron_checkpoints
+from shard_writers import full_tensors_from_dcp, megatron_to_hf
 
 from dcr_cli.delta.inspect import inspect
 from dcr_cli.delta.parts import assemble
@@ -25,6 +25,7 @@ from dcr_cli.produce import diff
 
 require_or_skip("megatron.core.dist_checkpointing")
 
+from moe_megatron_writers import megatron_core_checkpoint, register_megatron_core
 from test_shards_megatron import COMMON
 
 # The same tiny model as the hand-written layout's; megatron pads the vocab 50 -> 64 and keeps
@@ -32,15 +33,18 @@ from test_shards_megatron import COMMON
 DENSE = {**COMMON, "tie_word_embeddings": True, "megatron": {"padded_vocab_size": 64}}
 MOE = {**COMMON, "tie_word_embeddings": False, "num_experts": 4, "moe_intermediate_size": 8,
        "megatron": {"padded_vocab_size": 64}}  # fmt: skip
+# TP = 2 for the dense model, EP = 2 for the MoE (shard_writers.write_real_megatron_checkpoints' layouts).
+register_megatron_core("core-dense", DENSE, tp=2, ep=1)
+register_megatron_core("core-moe", MOE, tp=1, ep=2)
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     cfg = DENSE if request.param == "dense" else MOE
-    root = write_real_megatron_checkpoints(tmp_path_factory.mktemp(request.param), cfg)
+    root = megatron_core_checkpoint(tmp_path_factory, f"core-{request.param}")
     for tag in ("base", "target"):
         full = full_tensors_from_dcp(root / tag / "torch_dist", root, moe=request.param == "moe")
-        (root / tag / "hf").mkdir()
+        (root / tag / "hf").mkdir(exist_ok=True)  # the checkpoint is the session's: set up again, same export
         save_file(megatron_to_hf(full, cfg), str(root / tag / "hf" / "model.safetensors"))
     return root, cfg
 

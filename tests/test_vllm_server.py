@@ -15,7 +15,7 @@ from conftest import require_or_skip
 
 require_or_skip("vllm")  # under CI a missing vLLM fails the run
 
-from vllm_support import PROMPTS, fresh_engine, get_json, qwen3_run, served
+from vllm_support import PROMPTS, fresh_engine, get_json, qwen3_run
 
 pytestmark = pytest.mark.vllm
 
@@ -25,10 +25,9 @@ def qwen3(tmp_path_factory):
     return qwen3_run(tmp_path_factory, "qwen3")
 
 
-@pytest.fixture(scope="module")
-def server(qwen3, tmp_path_factory):
-    with served(qwen3[0], tmp_path_factory) as url:
-        yield url
+@pytest.fixture
+def server(shared_qwen3_server):
+    return shared_qwen3_server
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:

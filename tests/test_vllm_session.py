@@ -283,7 +283,7 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     require_or_skip("vllm")
     from vllm_support import qwen3_run
 
-    return qwen3_run(tmp_path_factory, "qwen3-session", steps=2)
+    return qwen3_run(tmp_path_factory, "qwen3-session")  # the chain shared_qwen3_server serves
 
 
 @pytest.mark.vllm
@@ -322,17 +322,14 @@ def test_real_engine_interrupted_client_retry_and_failed_finish(qwen3: list[Path
     assert llm.get_weight_version() == "step-2"
     got = resident_bits(llm)
     del llm
-    fresh = start_llm(qwen3[-1])
+    fresh = start_llm(qwen3[2])
     assert differing(got, resident_bits(fresh)) == []
 
 
-@pytest.fixture(scope="module")
-def server(qwen3: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend."""
-    from vllm_support import served
-
-    with served(qwen3[0], tmp_path_factory) as url:
-        yield url
+@pytest.fixture
+def server(qwen3: list[Path], shared_qwen3_server: str) -> str:
+    """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend, as it starts."""
+    return shared_qwen3_server
 
 
 @pytest.mark.vllm

@@ -9,6 +9,7 @@ processes vLLM or the tests spawn find it too).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import hashlib
@@ -103,7 +104,14 @@ def shut_down_engines() -> None:
     engine's start (after loading the weights): that engine then failed with "world group is not
     initialized", in whichever test or file came later (e.g. an in-process test run after
     test_vllm_pause.py). Held here until the test ends and shut down then, an engine is never finalized
-    at such a moment: ``shutdown()`` detaches that finalizer, so collecting it later tears nothing down."""
+    at such a moment: ``shutdown()`` detaches that finalizer, so collecting it later tears nothing down.
+
+    A test that started no engine shuts nothing down and is not collected after: nothing was unfrozen,
+    and a collection of the whole heap (torch, vLLM, every collected test module: a few tenths of a
+    second) after each of the suite's tests would cost minutes (every test of the run, since this module
+    is imported as the tests are collected)."""
+    if not _STARTED:
+        return
     while _STARTED:
         _STARTED.pop(0).llm_engine.engine_core.shutdown()
     gc.collect()
@@ -261,6 +269,88 @@ def served(model_dir: Path, tmp_path_factory: Any, env: dict[str, str] | None = 
     """``vllm_server`` of ``model_dir`` with its log in a fresh temporary directory; yields its URL."""
     with vllm_server(model_dir, tmp_path_factory.mktemp("server") / "vllm.log", env=env) as url:
         yield url
+
+
+@dataclass
+class _Shared:
+    """A ``served`` server that ``shared_server`` keeps across tests: its URL, what closes it, and whether
+    a test has had it (then the next one gets it reset to the chain's base first)."""
+
+    url: str
+    close: contextlib.ExitStack
+    used: bool = False
+
+
+# shared_server's servers, by the digest of the checkpoint they were started on.
+_SERVERS: dict[str, _Shared] = {}
+# reset_deltas' deltas, by the chain's base checkpoint: step-k -> step-0 for every k of the chain.
+_RESETS: dict[Path, dict[str, Path]] = {}
+
+
+def reset_deltas(chain: list[Path], tmp_path_factory: Any) -> dict[str, Path]:
+    """Deltas from each checkpoint of ``chain`` back to its base (``step-k`` -> ``step-0``, by the version they
+    start from), written once per chain under a fresh temporary directory."""
+    from dcr_cli.produce import diff
+
+    if chain[0] not in _RESETS:
+        root = tmp_path_factory.mktemp("reset")
+        resets = {}
+        for k in range(1, len(chain)):
+            diff(chain[k], chain[0], root / f"r{k}", base_version=f"step-{k}", target_version="step-0")
+            resets[f"step-{k}"] = root / f"r{k}"
+        _RESETS[chain[0]] = resets
+    return _RESETS[chain[0]]
+
+
+def reset_server(url: str, chain: list[Path], tmp_path_factory: Any) -> None:
+    """Bring the server at ``url`` back to what a fresh server on ``chain[0]`` holds, through dcr itself:
+    the delta from the version it holds back to step-0, applied like any other (it refuses an engine whose
+    bits are not that version's), then every tensor read back and proven to be step-0's, the engine not
+    paused and no update session or partial write left. Raises when any of that does not hold."""
+    from dcr_cli.receive.vllm.client import ServerEngine, apply_to_server, verify_server
+
+    resets = reset_deltas(chain, tmp_path_factory)
+    version = get_json(url + "/weight_info")["weight_version"]
+    if version in resets:
+        apply_to_server(url, resets[version])
+    verify_server(url, resets["step-1"])  # every tensor against step-0's digests
+    assert get_json(url + "/weight_info")["weight_version"] in (None, "step-0"), "not at the base version"
+    assert get_json(url + "/is_paused")["is_paused"] is False, "left paused"
+    statuses = ServerEngine(url).rpc("status")
+    assert all(s["session_open"] is False and s["state"]["applying"] is None for s in statuses), statuses
+
+
+def shared_server(chain: list[Path], tmp_path_factory: Any) -> str:
+    """The URL of a ``served`` server of ``chain[0]`` (a ``train_run`` chain) in the state a fresh one starts
+    in, for one test. Starting ``vllm serve`` costs tens of seconds on CPU, so one server per checkpoint is
+    kept for the tests that ask for it, and each test after the first gets it back reset to the base
+    (``reset_server``); where that fails (an earlier test left it broken) the server is replaced by a fresh
+    one. conftest stops them (``close_shared_servers``) when the next test is in a module that does not use them."""
+    key = checkpoint_digest(chain[0])
+    shared = _SERVERS.get(key)
+    if shared is not None and shared.used:
+        try:
+            reset_server(shared.url, chain, tmp_path_factory)
+        except Exception as exc:  # whatever an earlier test left, a fresh server replaces it
+            print(f"vllm_support: a fresh server replaces the shared one, whose reset failed: {exc!r}")
+            shared.close.close()
+            del _SERVERS[key]
+            shared = None
+    if shared is None:
+        close = contextlib.ExitStack()
+        url = close.enter_context(served(chain[0], tmp_path_factory))
+        shared = _SERVERS[key] = _Shared(url, close)
+    shared.used = True
+    return shared.url
+
+
+def close_shared_servers() -> None:
+    """Stop every server ``shared_server`` started."""
+    while _SERVERS:
+        _SERVERS.popitem()[1].close.close()
+
+
+atexit.register(close_shared_servers)
 
 
 def get_json(url: str) -> Any:
