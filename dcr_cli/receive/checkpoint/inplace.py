@@ -38,11 +38,13 @@ from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import dtype as lookup_dtype
 from ...format.kernels import scatter as scatter_into
 from ...format.manifest import TensorEntry, make_entry
+from ...io.files import start_writeback
 from ...io.pool import Inline, ordered_parallel
 
 GAP_BYTES = 4096  # unchanged bytes between two written elements that a run rewrites rather than split
 RUN_BYTES = 4 << 20  # longest run (bounds the buffer one write needs)
 READ_CHUNK = 1 << 20  # bytes per read when digesting a tensor (stays in a core's L2 between read and hash)
+WRITEBACK_BYTES = 8 << 20  # bytes written to a file between two starts of its writeback (io.files.start_writeback)
 
 _SCRATCH = threading.local()
 
@@ -130,6 +132,7 @@ class InPlaceFiles:
         self.writable = writable
         self._fds: dict[Path, int] = {}
         self._written: set[Path] = set()
+        self._unsynced: dict[int, int] = {}  # fd -> bytes written since its writeback was last started
         self._lock = threading.Lock()
         self._maps: dict[Path, tuple[mmap.mmap, memoryview] | None] = {}  # read-only mappings (digests)
         self._uints: dict[str, np.dtype] = {}  # tensor name -> its unsigned integer dtype (hot-loop lookup)
@@ -152,6 +155,15 @@ class InPlaceFiles:
         if fd is None:
             fd = self._fds[file] = os.open(file, os.O_RDWR if self.writable else os.O_RDONLY)
         return fd
+
+    def _wrote(self, fd: int, nbytes: int) -> None:
+        """Count ``nbytes`` written to ``fd``; every WRITEBACK_BYTES, start writing the file back (the final
+        fsync then waits for little: the disk works while the apply computes)."""
+        with self._lock:
+            pending = self._unsynced.get(fd, 0) + nbytes
+            self._unsynced[fd] = 0 if pending >= WRITEBACK_BYTES else pending
+        if pending >= WRITEBACK_BYTES:
+            start_writeback(fd)
 
     def _mapped(self, file: Path) -> memoryview | None:
         """The bytes of ``file`` as a read-only mapping, or None where it has holes (or cannot be mapped):
@@ -224,6 +236,7 @@ class InPlaceFiles:
             with self._lock:
                 self._written.add(file)
         _write_values(fd, offset, data)
+        self._wrote(fd, data.nbytes)
 
     def gather(self, name: str, index: np.ndarray | slice, runs: list[Run]) -> np.ndarray:
         """Current values at ``index`` (sorted canonical indices, or a contiguous slice)."""
@@ -271,6 +284,7 @@ class InPlaceFiles:
         for run in runs:
             n = run.last - run.first + 1
             _write_values(fd, loc.start + run.first * width, _bytes(buf[o : o + n]))
+            self._wrote(fd, n * width)
             o += n
 
     def scatter(self, name: str, index: np.ndarray | slice, runs: list[Run], values: np.ndarray) -> None:
@@ -287,6 +301,7 @@ class InPlaceFiles:
         if isinstance(index, slice):
             if values.size:
                 _write_values(fd, loc.start + index.start * uint.itemsize, _bytes(values))
+                self._wrote(fd, values.nbytes)
             return
         for run in runs:
             if run.dense:
@@ -295,6 +310,7 @@ class InPlaceFiles:
                 data = self.read(name, run.first, run.last + 1, scratch=True)
                 scatter_into(data, index[run.lo : run.hi] - run.first, values[run.lo : run.hi])
             _write_values(fd, loc.start + run.first * uint.itemsize, _bytes(data))
+            self._wrote(fd, data.nbytes)
 
     def digest(self, name: str) -> str:
         """BLAKE3 of a tensor's stored bytes: from the file's mapping, or read in bounded chunks."""
@@ -333,6 +349,7 @@ class InPlaceFiles:
             os.close(fd)
         self._fds.clear()
         self._written.clear()
+        self._unsynced.clear()
 
     def __enter__(self) -> InPlaceFiles:
         return self
