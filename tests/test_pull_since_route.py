@@ -7,6 +7,7 @@ could fetch a keyframe in place of the receiver's checkpoint."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from store_fixtures import commit_each, delta_files, json_out, make_deltas, one_
 
 import dcr_cli
 from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import DcrError
 from dcr_cli.store import Store, gc
 from dcr_cli.store.keyframes import compact, plan, publish_keyframe
 
@@ -153,3 +155,111 @@ def test_a_rerun_into_a_directory_holding_an_older_shortcut_of_the_same_states_r
     third = json_out(run_dcr("pull", url, "--since", "v1", "-o", str(out), "--json"))["versions"][0]
     assert (third["already_present"], third["downloaded_blocks"], third["reused_blocks"]) == (False, 0, 1)
     assert Delta.open(shortcut).id == third["manifest"] != new.manifest
+
+
+def _store_with_shortcut(tmp: Path) -> tuple[str, list[Path]]:
+    """v0..v4 committed locally, a keyframe at v1 and the shortcut v1..v3."""
+    url = str(tmp / "store")
+    ckpts, deltas = make_deltas(tmp, 4)
+    commit_each(url, deltas)
+    publish_keyframe(url, ckpts[1], version="v1")
+    assert compact(url, every=2).published
+    return url, ckpts
+
+
+def test_pull_since_never_replaces_what_is_not_an_older_copy_of_its_step(tmp_path: Path) -> None:
+    """A directory, a file or a link already at a step's name in OUT that is not a delta between the step's
+    two states (a user's, a trainer's `step-101/`) is refused in one line and left as it is."""
+    url, _ = _store_with_shortcut(tmp_path)
+    out = tmp_path / "out"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("theirs")
+
+    def held(p: Path) -> object:
+        if p.is_symlink():
+            return ("link", os.readlink(p))
+        if p.is_dir():
+            return {q.name: q.read_bytes() for q in p.iterdir()}
+        return p.read_bytes()
+
+    for name, make in [
+        ("v4", lambda p: (p.mkdir(), (p / "precious.txt").write_text("user data"))),
+        ("v4", lambda p: p.write_text("a file")),
+        ("v4", lambda p: p.symlink_to(elsewhere, target_is_directory=True)),
+        ("shortcut-v1-v3", lambda p: p.symlink_to(elsewhere, target_is_directory=True)),
+        ("shortcut-v1-v3", lambda p: (p.mkdir(), (p / "manifest.json").write_text("{}"))),  # no delta of v1..v3
+    ]:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        make(out / name)
+        before = held(out / name)
+        proc = run_dcr("pull", url, "--since", "v1", "-o", str(out), "--no-progress")
+        assert proc.returncode == 3, proc.stderr
+        assert one_error_line(proc) and "already exists and is not an intact copy" in proc.stderr, proc.stderr
+        assert held(out / name) == before, name
+    assert held(elsewhere) == {"keep.txt": b"theirs"}
+
+
+def test_a_catch_up_from_a_forged_state_off_the_chain_is_refused_as_the_whole_history_would(tmp_path: Path) -> None:
+    """`plan` reads forwards from --since, trusting its commit record: one forged off the chain (a version F on
+    a base Q no chain reaches, commit records Q -> F -> v3) must not make F look committed."""
+    import json
+
+    url = str(tmp_path / "store")
+    _, deltas = make_deltas(tmp_path, 4)
+    commit_each(url, deltas)
+    s = Path(url)
+    v2 = json.loads((s / "versions/v2.json").read_text())
+    forged = {"version": "F", "fingerprint": v2["target"]["fingerprint"]}
+    (s / "versions/F.json").write_text(
+        json.dumps(dict(v2, version="F", base={"version": "Q", "fingerprint": "00" * 32}, target=forged))
+    )
+    c1 = json.loads((s / "commits/v1.json").read_text())
+    (s / "commits/Q.json").write_text(
+        json.dumps(dict(c1, base={"version": "Q", "fingerprint": "00" * 32}, target=forged, version="F"))
+    )
+    c2 = json.loads((s / "commits/v2.json").read_text())
+    (s / "commits/F.json").write_text(json.dumps(dict(c2, base=forged)))
+    with pytest.raises(DcrError, match="'F' is not a committed version before 'v4'"):
+        plan(url, "F", allow_keyframe=False)
+    proc = run_dcr("pull", url, "--since", "F", "-o", str(tmp_path / "out"), "--no-progress")
+    assert proc.returncode != 0 and "'F' is not a committed version" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("where", ["between the renames", "after the second rename"])
+def test_a_replacement_killed_at_its_renames_is_finished_by_a_rerun_without_a_download(
+    tmp_path: Path, where: str
+) -> None:
+    import subprocess
+    import sys
+
+    url, _ = _store_with_shortcut(tmp_path)
+    out = tmp_path / "out"
+    json_out(run_dcr("pull", url, "--since", "v1", "-o", str(out), "--json"))
+    Store(url).put("shortcuts/v1/v3.json", b"{")  # damaged: gc drops it, compact publishes it again
+    gc(url, keep=4, grace_s=0)
+    time.sleep(1.1)  # the squashed manifest's digest changes once a second has passed
+    assert compact(url, every=2).published
+    mode = "mid" if where == "between the renames" else "after"
+    code = f"""
+import os
+import dcr_cli.store.transfer as t
+real = os.rename
+def rename(a, b):
+    real(a, b)
+    if {mode!r} == "mid" and str(b).endswith(".replaced"):
+        os._exit(9)
+    if {mode!r} == "after" and str(a).endswith(".partial"):
+        os._exit(9)
+t.os.rename = rename
+import dcr_cli
+dcr_cli.pull_since({url!r}, "v1", {str(out)!r})
+"""
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
+    assert killed.returncode == 9, killed.stderr
+    assert (out / ".shortcut-v1-v3.replaced").exists()
+    again = json_out(run_dcr("pull", url, "--since", "v1", "-o", str(out), "--json"))["versions"][0]
+    assert again["kind"] == "shortcut" and again["downloaded_blocks"] == 0, again  # the verified copy is kept
+    assert sorted(os.listdir(out)) == ["shortcut-v1-v3", "v4"]

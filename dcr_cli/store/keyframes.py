@@ -763,23 +763,37 @@ def plan(
         order = window
     else:
         order = committed_order(store)
-    names = [r.version for r in order]
-    if target.version not in names:
-        if target.base.version != names[-1]:
-            raise DcrError(f"{url}: {target.version!r} is neither committed nor pending on the head")
-        names.append(target.version)
-    pos = {n: i for i, n in enumerate(names)}
-    end = pos[target.version]
-    if since is not None:
-        check_label(since, "--since version")
-        if since not in pos or pos[since] > end:
-            raise DcrError(f"{url}: {since!r} is not a committed version before {target.version!r} (see dcr log)")
-    by_fp = {r.version: r.fingerprint for r in order}  # the committed states: genesis, then the chain
-    edges: list[Step] = []
-    for i in range(1, end + 1):
-        record = target if names[i] == target.version else store.require_version(names[i])
-        if store.exists(f"{MANIFESTS}/{record.manifest}.json"):  # gc removes old versions' manifests
-            edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
+    while True:
+        names = [r.version for r in order]
+        if target.version not in names:
+            if target.base.version != names[-1]:
+                raise DcrError(f"{url}: {target.version!r} is neither committed nor pending on the head")
+            names.append(target.version)
+        pos = {n: i for i, n in enumerate(names)}
+        end = pos[target.version]
+        if since is not None:
+            check_label(since, "--since version")
+            if since not in pos or pos[since] > end:
+                raise DcrError(f"{url}: {since!r} is not a committed version before {target.version!r} (see dcr log)")
+        by_fp = {r.version: r.fingerprint for r in order}  # the committed states: genesis, then the chain
+        edges: list[Step] = []
+        linked = True
+        for i in range(1, end + 1):
+            record = target if names[i] == target.version else store.require_version(names[i])
+            # Each delta must start where the one before it ends. The whole order has that from the chain's
+            # checks; a window read forwards from a start trusts that start's commit record, which a record
+            # off the chain (a forged or stale one) could fake: then the whole order decides.
+            if order is window and (record.base.version, record.base.fingerprint) != (
+                names[i - 1],
+                by_fp.get(names[i - 1]),
+            ):
+                linked = False
+                break
+            if store.exists(f"{MANIFESTS}/{record.manifest}.json"):  # gc removes old versions' manifests
+                edges.append(Step("chain", names[i - 1], names[i], record.payload_bytes, record=record))
+        if linked or order is not window:
+            break
+        order = committed_order(store)
     damaged: dict[str, str] = {}  # records that are no shortcut record: no route (dcr check reports them)
     for s in shortcuts(store, damaged, bases=pos):  # one based before every start is on no route
         b, t = s.record.base, s.record.target
@@ -894,7 +908,7 @@ def _pull_steps(
             repair,
             repairs_checked=True,
             kind=s.kind,
-            replace_other=True,  # its own names: a re-run replaces a copy that is not this step's (an older shortcut)
+            replace_other=s.kind == "shortcut",  # a re-run replaces an older shortcut of the same states
         )
         out.append(replace(pulled, kind=s.kind))
     return out

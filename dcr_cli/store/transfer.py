@@ -616,9 +616,11 @@ def _pull_record(
     replace_other: bool = False,
 ) -> PullResult:
     """Fetch ``record``'s delta into ``out`` (``kind``: "chain", a version's own; "shortcut", a squashed
-    one). An intact copy there is kept; another one is refused, or with ``replace_other`` (the directories a
-    pull --since names itself) fetched anew beside it, its blocks reused where their digests match, and put
-    in its place only once verified: a failed fetch leaves it as it was."""
+    one). An intact copy there is kept; anything else is refused, but for one case with ``replace_other``
+    (the shortcut directories a pull --since names itself): a delta directory between the same two states
+    (an older shortcut of them, published again) is fetched anew beside it, its blocks reused where their
+    digests match, and put in its place only once verified: a failed fetch leaves it as it was. A directory
+    that is no such delta, a file, a link, is never replaced (it may be the user's)."""
     what = f"shortcut {record.base.version}->{record.version}" if kind == "shortcut" else f"version {record.version!r}"
     raw = store.manifest_bytes(record)  # checked against the digest in the version record
     with no_collections():  # see Delta.open
@@ -651,8 +653,10 @@ def _pull_record(
         if held.is_file() and digest_bytes(held.read_bytes()) == record.manifest:
             present = [b for b in wanted if _local_block_ok(out / BLOCKS_DIR / b.id, b)]
             if len(present) == len(wanted):
+                if replace_other:  # what a replacement killed after its second rename left
+                    _remove(out.parent / f".{out.name}.replaced")
                 return result([], present, True)
-        if replace_other:
+        if replace_other and _same_states(out, record):
             return None
         raise ConflictError(f"{out} already exists and is not an intact copy of {what}; choose another -o or remove it")
 
@@ -675,8 +679,9 @@ def _pull_record(
             return done
         state = partial / PULL_STATE
         if not state.exists() or state.read_bytes() != record.manifest.encode():
-            # A partial download of some other version: start over.
-            shutil.rmtree(partial / BLOCKS_DIR, ignore_errors=True)
+            # A partial download of some other version (or a complete one a kill stopped before its rename):
+            # its blocks are kept only where this delta lists them and their digests match (checked below),
+            # the rest removed once the blocks are in.
             write_atomic(state, record.manifest.encode())
         blocks_dir = partial / BLOCKS_DIR
         blocks_dir.mkdir(exist_ok=True)
@@ -745,6 +750,19 @@ def _pull_record(
         with contextlib.suppress(FileNotFoundError):
             (out / ".lock").unlink()
     return result(missing, reused, False)
+
+
+def _same_states(out: Path, record: VersionRecord) -> bool:
+    """Whether ``out`` is a delta directory (no link) from ``record``'s base state to its target state."""
+    held = out / MANIFEST_NAME
+    if out.is_symlink() or not out.is_dir() or held.is_symlink() or not held.is_file():
+        return False
+    try:
+        with no_collections():
+            other = parse_manifest(held.read_bytes())
+    except (DcrError, OSError, ValueError):
+        return False
+    return (other.base.fingerprint, other.target.fingerprint) == (record.base.fingerprint, record.target.fingerprint)
 
 
 def _link_blocks(src: Path, dst: Path, wanted: list[BlockEntry]) -> None:
