@@ -102,8 +102,9 @@ def test_a_catch_up_costs_requests_for_the_versions_after_since_not_the_history(
         shutil.rmtree(local)
         measured[n] = _catch_up(s3_endpoint, url, n, ckpts, tmp_path)
     (short, short_paths), (long, long_paths) = measured[30], measured[STEPS]
-    # The same requests for 60 versions as for 30: nothing grows with the 26 (56) versions before v27's base.
-    assert long == short, (short, long)
+    # The same requests for 60 versions as for 30 (give or take a retried request): nothing grows with the 26
+    # (56) versions before v27's base.
+    assert set(long) == set(short) and all(abs(long[k] - short[k]) <= 2 for k in short), (short, long)
     assert short["GET"] + short["HEAD"] < 90, short  # three catch-ups (plan, pull, apply) of 30 versions
     # Nothing asked names a version older than since's base: not its record, its commit or its shortcuts
     # (the older keyframe's shortcuts are on no route from since).
