@@ -192,9 +192,11 @@ def test_stock_cpu_repacked_layout_is_refused(llama_tied, monkeypatch):
 
 
 def test_engine_without_dcr_backend_is_told_how_to_start(qwen3):
+    import vllm_support
     from vllm import LLM
     from vllm_support import ENGINE_ARGS
 
     llm = LLM(model=str(qwen3[0]), **ENGINE_ARGS)
+    vllm_support._STARTED.append(llm)  # shut down (and collected) when the test ends, as start_llm's are
     with pytest.raises(DcrError, match="backend"):
         apply_to_llm(llm, Delta.open(qwen3[0].parent / "d1"))
