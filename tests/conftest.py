@@ -59,24 +59,22 @@ def shared_qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> str:
     return shared_server(qwen3_run(tmp_path_factory, "qwen3"), tmp_path_factory)
 
 
-# The modules with a test that uses shared_qwen3_server (pytest_collection_finish fills it).
-_SHARED_SERVER_MODULES: set[str] = set()
+# The last test of the run that uses shared_qwen3_server (pytest_collection_finish finds it).
+_LAST_SHARED_SERVER_TEST: list[str] = []
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    _SHARED_SERVER_MODULES.update(
-        item.module.__name__ for item in session.items if "shared_qwen3_server" in getattr(item, "fixturenames", ())
-    )
+    users = [item.nodeid for item in session.items if "shared_qwen3_server" in getattr(item, "fixturenames", ())]
+    _LAST_SHARED_SERVER_TEST[:] = users[-1:]
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    """Stop the shared vLLM servers when the next test is in a module that does not use them (no idle server
-    through the rest of the run; a later module that asks again gets a fresh one)."""
+    """Stop the shared vLLM servers once the last test that uses them is done: no idle server through the
+    rest of the run (on 2 cores, one beside an in-process engine slows both)."""
     yield
     support = sys.modules.get("vllm_support")
-    module = getattr(nextitem, "module", None)
-    if support is not None and (module is None or module.__name__ not in _SHARED_SERVER_MODULES):
+    if support is not None and (nextitem is None or item.nodeid in _LAST_SHARED_SERVER_TEST):
         support.close_shared_servers()
 
 

@@ -286,6 +286,32 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return qwen3_run(tmp_path_factory, "qwen3-session")  # the chain shared_qwen3_server serves
 
 
+@pytest.fixture
+def server(qwen3: list[Path], shared_qwen3_server: str) -> str:
+    """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend, as it starts."""
+    return shared_qwen3_server
+
+
+@pytest.mark.vllm
+def test_real_server_a_client_interrupted_after_start_then_dcr_apply_succeeds_and_serves(
+    server: str, qwen3: list[Path], dcr: Any
+) -> None:
+    root = qwen3[0].parent
+    engine = client.ServerEngine(server)
+    # An interrupted client: paused, session started, then gone. vLLM answers a later start with a bare 500.
+    engine.pause()
+    engine.start()
+    assert all(s["session_open"] is True for s in engine.rpc("status"))
+    with pytest.raises(DcrError, match="HTTP 500"):
+        engine.start()
+    applied = dcr("apply", str(root / "d1"), "--vllm", server)
+    assert applied.returncode == 0, applied.stderr
+    assert engine.call("/is_paused", method="GET")["is_paused"] is False
+    assert engine.call("/weight_info", method="GET")["weight_version"] == "step-1"
+    assert all(s["session_open"] is False for s in engine.rpc("status"))
+    assert dcr("verify", "--vllm", server, check=True).stdout.startswith("ok:")
+
+
 @pytest.mark.vllm
 def test_real_engine_interrupted_client_retry_and_failed_finish(qwen3: list[Path]) -> None:
     from vllm_support import differing, resident_bits, start_llm
@@ -324,29 +350,3 @@ def test_real_engine_interrupted_client_retry_and_failed_finish(qwen3: list[Path
     del llm
     fresh = start_llm(qwen3[2])
     assert differing(got, resident_bits(fresh)) == []
-
-
-@pytest.fixture
-def server(qwen3: list[Path], shared_qwen3_server: str) -> str:
-    """A real ``vllm serve`` (vLLM's own launcher, default process layout) with the dcr backend, as it starts."""
-    return shared_qwen3_server
-
-
-@pytest.mark.vllm
-def test_real_server_a_client_interrupted_after_start_then_dcr_apply_succeeds_and_serves(
-    server: str, qwen3: list[Path], dcr: Any
-) -> None:
-    root = qwen3[0].parent
-    engine = client.ServerEngine(server)
-    # An interrupted client: paused, session started, then gone. vLLM answers a later start with a bare 500.
-    engine.pause()
-    engine.start()
-    assert all(s["session_open"] is True for s in engine.rpc("status"))
-    with pytest.raises(DcrError, match="HTTP 500"):
-        engine.start()
-    applied = dcr("apply", str(root / "d1"), "--vllm", server)
-    assert applied.returncode == 0, applied.stderr
-    assert engine.call("/is_paused", method="GET")["is_paused"] is False
-    assert engine.call("/weight_info", method="GET")["weight_version"] == "step-1"
-    assert all(s["session_open"] is False for s in engine.rpc("status"))
-    assert dcr("verify", "--vllm", server, check=True).stdout.startswith("ok:")

@@ -325,7 +325,7 @@ def shared_server(chain: list[Path], tmp_path_factory: Any) -> str:
     in, for one test. Starting ``vllm serve`` costs tens of seconds on CPU, so one server per checkpoint is
     kept for the tests that ask for it, and each test after the first gets it back reset to the base
     (``reset_server``); where that fails (an earlier test left it broken) the server is replaced by a fresh
-    one. conftest stops them (``close_shared_servers``) when the next test is in a module that does not use them."""
+    one. conftest stops them (``close_shared_servers``) once the last test of the run that uses them is done."""
     key = checkpoint_digest(chain[0])
     shared = _SERVERS.get(key)
     if shared is not None and shared.used:
