@@ -72,11 +72,13 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_mla_kv_b_proj_is_refused_before_any_write(deepseek: Path) -> None:
-    llm = start_llm(deepseek / "v0", block_size=16)
+    # vLLM's reference CPU MLA backend computes on the loaded weights but kv_b_proj (absorbed after loading).
+    args = {"block_size": 16, "attention_backend": "CPU_MLA"}  # chosen: vLLM prefers AMX_MLA where it can
+    llm = start_llm(deepseek / "v0", **args)
     report = apply_to_llm(llm, deepseek / "d1")  # kv_b_proj untouched: applies exactly
     assert report["status"] == "applied"
     verify_llm(llm)
-    fresh = start_llm(deepseek / "v1", block_size=16)
+    fresh = start_llm(deepseek / "v1", **args)
     assert differing(resident_bits(llm), resident_bits(fresh)) == []
     del fresh
     before = resident_bits(llm)
@@ -84,3 +86,20 @@ def test_mla_kv_b_proj_is_refused_before_any_write(deepseek: Path) -> None:
         apply_to_llm(llm, deepseek / "d2")
     assert differing(resident_bits(llm), before) == []  # nothing was written
     verify_llm(llm)  # and the engine still serves v1, proven
+
+
+def test_mla_on_amx_tiles_is_refused_before_any_write(deepseek: Path) -> None:
+    """On a CPU with AMX tiles vLLM picks AMX_MLA, which computes with copies of its own and empties the
+    loaded weights: dcr refuses every delta before any write, and says which backend to use instead. (A CPU
+    without AMX tiles cannot run that backend: vLLM picks CPU_MLA there, the test above.)"""
+    import torch
+
+    backend = "AMX_MLA" if torch.cpu._is_amx_tile_supported() else "CPU_MLA"
+    llm = start_llm(deepseek / "v0", block_size=32 if backend == "AMX_MLA" else 16)  # vLLM's own choice
+    before = resident_bits(llm)
+    if backend == "CPU_MLA":  # what the test above proves in full, here in brief: the untouched-kv_b_proj delta applies
+        assert apply_to_llm(llm, deepseek / "d1")["status"] == "applied"
+        return
+    with pytest.raises(IncompatibleError, match=r"kv_b_proj\.weight: it was emptied after loading.*kernel backend"):
+        apply_to_llm(llm, deepseek / "d1")
+    assert differing(resident_bits(llm), before) == []  # nothing was written
