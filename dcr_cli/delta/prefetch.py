@@ -102,7 +102,8 @@ class BlockFetcher:
         throttle: Callable[[int], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """``spool``: write every block to ``<spool>/.<id>.part`` (kept by :meth:`keep`, else removed by
+        """``spool``: write every block to ``<spool>/.<id>-<size>.part`` (two fetchers told different sizes for
+        one id, e.g. by a wrong hint, never share a file; kept by :meth:`keep`, else removed by
         :meth:`close`); ``throttle`` is called with a range's size before it is read (a rate limit),
         ``progress`` with the bytes of each range once it has arrived; ``memory`` bounds the bytes of
         blocks this fetcher keeps in memory (default: what is left of the process's ``MEMORY_BYTES``,
@@ -129,7 +130,7 @@ class BlockFetcher:
             ranges[-1] = (lo, hi + 1)  # one byte more: is the object longer than declared?
             block = _Block(entry, ranges)
             if self._spool is not None:
-                block.path = os.path.join(self._spool, f".{entry.id}.part")
+                block.path = os.path.join(self._spool, f".{entry.id}-{entry.size}.part")
                 _create(block.path, os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
             elif allowance.take(entry.size):
                 block.data = bytearray(entry.size)
@@ -330,6 +331,16 @@ class BlockFetcher:
             os.close(fd)
         os.replace(block.path, dest)
         block.path = None
+
+    def abandon(self) -> None:
+        """Cancel without waiting for the ranges in flight (a stalled read may never return) and remove a
+        spool's unkept block files. A worker still reading finds its file gone when it returns (files are
+        opened without O_CREAT): nothing is written again, its block fails, and the threads are daemons."""
+        self.cancel()
+        for block in self._blocks.values():
+            if self._spool is not None and block.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(block.path)
 
     def close(self) -> None:
         """Cancel, wait for the ranges in flight, close the files; a spool's unkept block files are removed."""

@@ -271,14 +271,19 @@ def gc(
                 removed_frames += 1
     # Announcements (store-v1 §4.6) are hints for receivers waiting for a push in progress: a published
     # version's are spent (its push removes them when it completes), the rest go once older than the grace.
+    # Everything under announced/<v>/ counts, at any depth (a name that is no announcement is no less junk).
     removed_announcements = 0
     for version in store.list_dirs(ANNOUNCED) if not dry_run else []:
-        folder = f"{ANNOUNCED}/{version}"
+        top = f"{ANNOUNCED}/{version}"
         published = is_label(version) and store.version(version) is not None
-        for e in store.list(folder):
-            if published or old(e, folder):
-                store.delete(f"{folder}/{e.name}")
-                removed_announcements += 1
+        folders = [top]
+        while folders:
+            folder = folders.pop()
+            for e in store.list(folder):
+                if published or old(e, folder):
+                    store.delete(f"{folder}/{e.name}")
+                    removed_announcements += 1
+            folders.extend(f"{folder}/{d}" for d in store.list_dirs(folder))
     return GcResult(
         store=url,
         live_versions=sorted(r.version for r in live),
