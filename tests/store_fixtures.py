@@ -380,6 +380,28 @@ class LoopbackProxy:
         self.server.close()
 
 
+class HoldRequests(LoopbackProxy):
+    """Holds back every request whose first line contains ``needle`` until ``released`` is set (a block still
+    on its way, a stalled GET or LIST); ``held`` counts the requests held, ``gets`` every GET that passed."""
+
+    def __init__(self, upstream: str, needle: bytes) -> None:
+        self.needle = needle
+        self.released = threading.Event()
+        self.held = 0
+        self.gets = 0
+        super().__init__(upstream)
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        if upstream:
+            self.gets += data.count(b"GET /")
+
+    def before_forwarding(self, data: bytes, upstream: bool) -> None:
+        if upstream and self.needle in data.split(b"\r\n", 1)[0]:
+            with self.lock:
+                self.held += 1
+            self.released.wait(timeout=120)
+
+
 class ResetReadsOf(LoopbackProxy):
     """Resets every connection that asks for an object whose key ends with ``suffix`` (a transient fault)."""
 

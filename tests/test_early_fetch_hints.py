@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import read_bits
-from store_fixtures import LoopbackProxy, S3Endpoint, big_delta, json_out, run_dcr, spawn_dcr
+from store_fixtures import HoldRequests, S3Endpoint, big_delta, json_out, run_dcr, spawn_dcr
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.manifest import BlockEntry
@@ -39,22 +39,6 @@ def _early_spools(tmp: Path) -> list[Path]:
     """Early spools under a TMPDIR: the private root's directories (and the old layout's dcr-early-XXXX)."""
     root = tmp / f"dcr-early-{os.getuid()}"
     return sorted(root.iterdir()) if root.is_dir() else sorted(p for p in tmp.glob("dcr-early-*") if p != root)
-
-
-class HoldGets(LoopbackProxy):
-    """Holds back every request whose first line contains ``needle`` until ``released`` (a stalled GET)."""
-
-    def __init__(self, upstream: str, needle: bytes) -> None:
-        self.needle = needle
-        self.released = threading.Event()
-        self.held = 0
-        super().__init__(upstream)
-
-    def before_forwarding(self, data: bytes, upstream: bool) -> None:
-        if upstream and self.needle in data.split(b"\r\n", 1)[0]:
-            with self.lock:
-                self.held += 1
-            self.released.wait(timeout=120)
 
 
 def test_a_second_hint_with_another_size_never_fails_the_refit(
@@ -103,7 +87,7 @@ def test_a_stalled_hinted_download_delays_neither_the_wait_deadline_nor_an_inter
     store.put(announcement("v1", block.id, block.size), b"")
     receiver = tmp_path / "receiver"
     shutil.copytree(tmp_path / "big-c0", receiver)
-    proxy = HoldGets(s3_endpoint.url, f"/blocks/{block.id}".encode())
+    proxy = HoldRequests(s3_endpoint.url, f"/blocks/{block.id}".encode())
     timer = threading.Timer(45, proxy.released.set)  # the old code would hang until then
     timer.start()
     tmp = tmp_path / "tmp"
@@ -141,7 +125,7 @@ def test_an_abandoned_stalled_download_writes_nothing_when_it_returns(s3_endpoin
     digest.update(data)
     block_id = digest.hexdigest()
     Store(s3_url, s3_endpoint.storage_options).put(f"blocks/{block_id}", data)
-    proxy = HoldGets(s3_endpoint.url, f"/blocks/{block_id}".encode())
+    proxy = HoldRequests(s3_endpoint.url, f"/blocks/{block_id}".encode())
     try:
         store = Store(s3_url, {**s3_endpoint.storage_options, "endpoint_url": proxy.url})
         store.put(announcement("v1", block_id, len(data)), b"")
@@ -251,7 +235,7 @@ def test_a_slow_listing_never_delays_the_wait(s3_endpoint: S3Endpoint, s3_url: s
     from dcr_cli.store.transfer import open_version
 
     Store(s3_url, s3_endpoint.storage_options).put(announcement("v1", "ab" * 32, 10), b"")
-    proxy = HoldGets(s3_endpoint.url, b"announced")
+    proxy = HoldRequests(s3_endpoint.url, b"announced")
     timer = threading.Timer(40, proxy.released.set)
     timer.start()
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import read_bits
-from store_fixtures import REPO_ROOT, CountingProxy, LoopbackProxy, S3Endpoint, big_delta, run_dcr
+from store_fixtures import REPO_ROOT, CountingProxy, HoldRequests, S3Endpoint, big_delta, run_dcr
 
 from dcr_cli.delta.prefetch import BlockFetcher
 from dcr_cli.delta.reader import Delta
@@ -90,27 +90,6 @@ class Throttle:
         self.proc.wait(timeout=10)
 
 
-class HoldBlock(LoopbackProxy):
-    """Holds back every request for one object until ``release`` (a block still on its way)."""
-
-    def __init__(self, upstream: str, key: str) -> None:
-        self.request = f"GET /{key}".encode()
-        self.released = threading.Event()
-        self.held = 0
-        self.gets = 0
-        super().__init__(upstream)
-
-    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
-        if upstream:
-            self.gets += data.count(b"GET /")
-
-    def before_forwarding(self, data: bytes, upstream: bool) -> None:
-        if upstream and self.request in data:
-            with self.lock:
-                self.held += 1
-            self.released.wait(timeout=120)
-
-
 def test_the_first_pass_reads_early_blocks_while_later_ones_download(
     s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
 ) -> None:
@@ -123,7 +102,7 @@ def test_the_first_pass_reads_early_blocks_while_later_ones_download(
     assert manifest.blocks[manifest.items[0].data.block].id != last.id
     # The last block cannot arrive until it is released: counted, not timed, so a loaded machine cannot
     # make the first item look as if it waited (or not) for it.
-    proxy = HoldBlock(s3_endpoint.url, f"{s3_url.removeprefix('s3://')}/blocks/{last.id}")
+    proxy = HoldRequests(s3_endpoint.url, f"GET /{s3_url.removeprefix('s3://')}/blocks/{last.id}".encode())
     try:
         options = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
         remote = open_delta(s3_url, "v1", storage_options=options)
