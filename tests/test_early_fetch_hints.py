@@ -280,6 +280,11 @@ def test_an_early_fetch_is_collected_once_closed(s3_endpoint: S3Endpoint, s3_url
         time.sleep(0.05)
     spool = early._spool
     early.close()
+    store.put(announcement("v1", "cd" * 32, 10), b"")
+    for _ in range(5):  # closed, it stays off: a later poll starts no listing, no download, no spool
+        early.poll()
+        time.sleep(0.3)
+    assert early.blocks == 1 and early._spool is None
     ref = weakref.ref(early)
     del early
     gc.collect()

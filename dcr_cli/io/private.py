@@ -75,8 +75,10 @@ def remove_own(directory: str) -> None:
 def release_dropped() -> None:
     """Close the locks of this process's directories that are gone (removed by whoever was done with them):
     one descriptor per directory still on disk, not one per use."""
-    for directory in [d for d in _HELD if not os.path.lexists(d)]:
-        os.close(_HELD.pop(directory))
+    for directory in [d for d in list(_HELD) if not os.path.lexists(d)]:  # a copy: a finalizer may remove one
+        fd = _HELD.pop(directory, None)
+        if fd is not None:
+            os.close(fd)
 
 
 def sweep_stale(root: str) -> list[str]:

@@ -205,7 +205,9 @@ class EarlyFetch:
         return len(kept)
 
     def close(self) -> None:
-        """Stop what was not handed over, without waiting for it; remove the spool unless a delta reads from it."""
+        """Stop what was not handed over, without waiting for it; remove the spool unless a delta reads from it.
+        A closed early fetch stays off (a later poll starts nothing)."""
+        self.enabled = False
         self._drop()
 
     def _drop(self) -> None:
