@@ -3,6 +3,7 @@ a hint never fails or delays a refit, and the early spool never outlives its use
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,26 @@ def _early_spools(tmp: Path) -> list[Path]:
     return sorted(root.iterdir()) if root.is_dir() else sorted(p for p in tmp.glob("dcr-early-*") if p != root)
 
 
+@contextlib.contextmanager
+def _waiting(*args: str, env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """A dcr command started now (a receiver waiting for its version), killed when the block ends if it is
+    still running (a failed assertion must not leave it waiting)."""
+    proc = spawn_dcr(*args, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _publish_to(waiting: subprocess.Popen[str], delta: Path, url: str, endpoint: S3Endpoint) -> tuple[str, str]:
+    """Push ``delta`` (the version the receiver waits for) and wait for the receiver to exit: its stdout and
+    stderr."""
+    push(delta, url, storage_options=endpoint.storage_options)
+    return waiting.communicate(timeout=120)
+
+
 def test_a_second_hint_with_another_size_never_fails_the_refit(
     s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
 ) -> None:
@@ -53,8 +75,8 @@ def test_a_second_hint_with_another_size_never_fails_the_refit(
     receiver = tmp_path / "receiver"
     shutil.copytree(tmp_path / "big-c0", receiver)
     env = {**s3_endpoint.env(), "TMPDIR": str(tmp)}
-    waiting = spawn_dcr("apply", s3_url, "--version", "v1", "--wait", "120", "--into", str(receiver), "--json", env=env)
-    try:
+    args = ("apply", s3_url, "--version", "v1", "--wait", "120", "--into", str(receiver), "--json")
+    with _waiting(*args, env=env) as waiting:
         store = Store(s3_url, s3_endpoint.storage_options)
         uploader = BlockUploader(s3_url, s3_endpoint.storage_options, announce="v1")
         blocks = _data_blocks(delta)
@@ -64,11 +86,7 @@ def test_a_second_hint_with_another_size_never_fails_the_refit(
             store.put(announcement("v1", b.id, b.size - 1), b"")
         uploader.wait()
         time.sleep(2)  # the receiver lists and fetches all three hints of each block
-        push(delta, s3_url, storage_options=s3_endpoint.storage_options)
-        out, err = waiting.communicate(timeout=120)
-    finally:
-        if waiting.poll() is None:
-            waiting.kill()
+        out, err = _publish_to(waiting, delta, s3_url, s3_endpoint)
     assert waiting.returncode == 0, err
     assert "dcr-early" not in err and ".part" not in err
     assert json_out(subprocess.CompletedProcess([], 0, out, err))["fetched_early"] == len(blocks)
@@ -175,15 +193,10 @@ def test_a_full_tmpdir_turns_early_fetch_off_and_the_wait_goes_on(
         receiver = tmp_path / "receiver"
         shutil.copytree(tmp_path / "big-c0", receiver)
         env = {**s3_endpoint.env(), "TMPDIR": str(tmp)}
-        waiting = spawn_dcr("apply", s3_url, "--version", "v1", "--wait", "60", "--into", str(receiver), env=env)
-        try:
+        with _waiting("apply", s3_url, "--version", "v1", "--wait", "60", "--into", str(receiver), env=env) as waiting:
             time.sleep(5)
             assert waiting.poll() is None, waiting.communicate()[1]
-            push(delta, s3_url, storage_options=s3_endpoint.storage_options)
-            _out, err = waiting.communicate(timeout=60)
-        finally:
-            if waiting.poll() is None:
-                waiting.kill()
+            _out, err = _publish_to(waiting, delta, s3_url, s3_endpoint)
         assert waiting.returncode == 0, err
         assert read_bits(receiver) == read_bits(tmp_path / "big-c1")
         assert _early_spools(tmp) == []
@@ -213,16 +226,11 @@ def test_a_killed_receivers_spool_is_swept_by_the_next_early_fetch(
         killed.send_signal(signal.SIGKILL)
         killed.communicate(timeout=60)
     (left,) = _early_spools(tmp)  # SIGKILL: nothing cleans up
-    again = spawn_dcr(*args, env=env)
-    try:
+    with _waiting(*args, env=env) as again:
         _wait_until(lambda: not left.exists(), "the next early fetch did not sweep the dead receiver's spool")
         (mine,) = _early_spools(tmp)
         assert mine != left
-        push(delta, s3_url, storage_options=s3_endpoint.storage_options)
-        _out, err = again.communicate(timeout=120)
-    finally:
-        if again.poll() is None:
-            again.kill()
+        _out, err = _publish_to(again, delta, s3_url, s3_endpoint)
     assert again.returncode == 0, err
     assert read_bits(receiver) == read_bits(tmp_path / "big-c1")
     gc.collect()
