@@ -20,6 +20,9 @@ like an RL step in BF16). Version v1 is the first rate, v2.. each rate in turn, 
   bytes of every tensor the delta touches, which are the target checkpoint's), held in memory, on
   all cores (best of BLAKE3's own threads per tensor and one thread per tensor on a pool, as dcr
   does), and the apply's time above it: how far the apply is from what an exact proof costs here.
+  On one rank the proof's digests are taken before the pause (``predict``: each touched tensor as
+  it will be after the writes, receiver-vllm.md §3), so the pause holds only the writes, each read
+  back; the floor then bounds the prepare, not the pause.
 
 Every ratio is against that dense reload, measured in the same run on the same engine.
 """
@@ -256,7 +259,7 @@ def main() -> None:
                     print(f"   (its floor, BLAKE3 of every tensor in memory: {floor * 1e3:.1f} ms)", end="")
                 print()
             print(
-                f"    proof floor: BLAKE3 of the {a['floor_tensors']} tensors it proves "
+                f"    proof floor (predict, before the pause, on one rank): BLAKE3 of the {a['floor_tensors']} tensors "
                 f"({a['floor_bytes'] / 2**20:.0f} MiB, in memory, {cores} cores): {a['floor'] * 1e3:.1f} ms "
                 f"{a['floor'] / dense:5.2f}x; the apply above it: {(a['wall'] - a['floor']) * 1e3:.1f} ms "
                 f"{(a['wall'] - a['floor']) / dense:5.2f}x"

@@ -1,4 +1,5 @@
-"""format/kernels.scatter, the receivers' sparse write: the same bits as numpy's fancy assignment."""
+"""format/kernels.scatter, the receivers' sparse write: the same bits as numpy's fancy assignment;
+scatter_checked, the same write with each run read back while in cache (a vLLM apply's writes)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr_cli.format.kernels import scatter
+from dcr_cli.format.kernels import scatter, scatter_checked
 
 WIDTHS = [np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
 
@@ -64,3 +65,42 @@ def test_strided_and_read_only_inputs_take_the_compiled_variant() -> None:
     scatter(out, np.arange(16, dtype=np.int32)[::2], np.arange(16, dtype=np.uint8)[1::2])
     assert len(kernels._scatter.signatures) == before
     assert out.tolist() == [1, 0, 3, 0, 5, 0, 7, 0, 9, 0, 11, 0, 13, 0, 15, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(WIDTHS),
+    index_dtype=st.sampled_from([np.int32, np.int64]),
+    size=st.integers(1, 20_000),
+    data=st.data(),
+)
+def test_checked_scatter_writes_what_numpy_writes_and_reads_back_distinct_indices(
+    dtype: type, index_dtype: type, size: int, data: st.DataObject
+) -> None:
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    info = np.iinfo(dtype)
+    out = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
+    index = rng.permutation(size)[: data.draw(st.integers(0, size))].astype(index_dtype)  # runs of 4096 and more
+    if data.draw(st.booleans()):
+        index = np.sort(index)
+    values = rng.integers(info.min, info.max, index.size, dtype=dtype, endpoint=True)
+    want = out.copy()
+    want[index] = values
+    assert scatter_checked(out, index, values) == 0
+    assert out.tobytes() == want.tobytes()
+
+
+def test_checked_scatter_counts_what_does_not_read_back() -> None:
+    """Two values for one element in one run: the first does not read back (the storage holds the
+    second); a receiver's write fails on that, it never records a version over it."""
+    out = np.zeros(8, dtype=np.uint16)
+    assert scatter_checked(out, np.array([1, 5, 1, 2], dtype=np.int32), np.array([7, 8, 9, 3], dtype=np.uint16)) == 1
+    assert out.tolist() == [0, 9, 3, 0, 0, 8, 0, 0]
+
+
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_checked_scatter_stops_at_an_index_outside_the_storage(bad: int) -> None:
+    out = np.zeros(10, dtype=np.int16)
+    with pytest.raises(IndexError, match="outside the storage"):
+        scatter_checked(out, np.array([1, bad, 2], dtype=np.int64), np.array([7, 8, 9], dtype=np.int16))
+    assert out[1] == 7 and out[2] == 0

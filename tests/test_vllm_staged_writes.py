@@ -98,3 +98,91 @@ def test_a_noop_delta_establishes_the_engines_version_and_staged_items_hold_only
     assert report.written_elements == sum(it.changed_elements for it in step.manifest.items)
     fresh = fresh_engine(qwen3[1])
     assert differing(resident_bits(llm), fresh.bits) == []
+
+
+def _resigned_with_table_digest(src: Path, out: Path) -> str:
+    """A copy of ``src`` whose table names other bits for one touched tensor, its target fingerprint
+    recomputed: every item still goes from its ``pre`` to its ``post``, only the table disagrees."""
+    from dcr_cli.format.manifest import TensorEntry, fingerprint
+
+    shutil.copytree(src, out)
+    manifest = manifest_v1(out)
+    name = manifest["items"][0]["tensor"]
+    manifest["tensors"][name]["digest"] = digest_bytes(b"not the target")
+    table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in manifest["tensors"].items()}
+    manifest["target"]["fingerprint"] = fingerprint(table)
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return name
+
+
+def test_a_resigned_delta_whose_items_miss_its_table_never_reaches_the_weights(
+    qwen3: list[Path], tmp_path: Path
+) -> None:
+    """Before, every item was written inside the pause and the proof after the writes found the
+    tensor wrong: the engine was left paused, part base, part target. Now the first pass digests
+    each touched tensor as it will be after the writes and refuses before the pause."""
+    root = qwen3[0].parent
+    name = _resigned_with_table_digest(root / "d1", tmp_path / "bad")
+    llm = start_llm(qwen3[0])
+    before = resident_bits(llm)
+    calls: list[str] = []
+
+    class Recording(InProcessEngine):
+        def pause(self) -> None:
+            calls.append("pause")
+            super().pause()
+
+    with pytest.raises(IntegrityError, match=r"would not hold the target .*nothing was written") as refused:
+        apply_to_engine(Recording(llm), tmp_path / "bad")
+    assert name in str(refused.value)
+    assert calls == []  # never paused
+    assert differing(resident_bits(llm), before) == []
+    report = apply_to_engine(InProcessEngine(llm), root / "d1")
+    assert report["status"] == "applied"
+    verify_llm(llm)
+
+
+def test_a_steady_apply_proves_touched_tensors_before_the_writes_and_reads_back_only_the_writes(
+    qwen3: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tensor is digested whole after the writes on a one-rank CPU engine (the pause costs a pass
+    over the changes), staged or not, and the engine ends with the target's bits."""
+    root = qwen3[0].parent
+    llm = start_llm(qwen3[0])
+    receiver = EngineReceiver(resident_model(llm))
+    digested: list[str] = []
+    real = EngineReceiver.tensor_digest
+
+    def recording(self: EngineReceiver, name: str, entry: object) -> str:
+        digested.append(name)
+        return real(self, name, entry)  # type: ignore[arg-type]
+
+    for k, staged in ((1, True), (2, False)):
+        step = Delta.open(str(root / f"d{k}"))
+        if staged:
+            assert receiver.prepare(step) == "apply"  # the first read-back of the base happens here
+        else:
+            receiver.check(step)
+        monkeypatch.setattr(EngineReceiver, "tensor_digest", recording)
+        report = receiver.apply(step)
+        monkeypatch.setattr(EngineReceiver, "tensor_digest", real)
+        touched = {item.tensor for item in step.manifest.items}
+        assert report.status == "applied" and report.predicted == len(touched) > 0
+        assert digested == []  # the proof of every touched tensor was its prediction and its writes' read-back
+        assert report.phases["predict"] > 0.0
+        assert differing(resident_bits(llm), fresh_engine(qwen3[k]).bits) == []
+    assert verify_llm(llm, root / "d2")["mismatched"] == []  # every tensor read back whole
+
+
+def test_an_engine_write_that_does_not_read_back_fails_the_apply() -> None:
+    """The engine's one write path reads back what it wrote (two values for one element in a run:
+    the storage holds only the second)."""
+    import numpy as np
+
+    from dcr_cli.receive.vllm import apply as engine_apply
+
+    flat = np.zeros(8, dtype=np.int16)
+    with pytest.raises(IntegrityError, match="do not read back as written"):
+        engine_apply._write_elements(flat, np.array([3, 3], dtype=np.int32), np.array([1, 2], dtype=np.int16))
+    engine_apply._write_elements(flat, np.array([3, 4], dtype=np.int32), np.array([1, 2], dtype=np.int16))
+    assert flat.tolist() == [0, 0, 0, 1, 2, 0, 0, 0]

@@ -32,8 +32,9 @@ def digest_bytes(data: bytes | bytearray | memoryview | np.ndarray, length: int 
 class StreamingDigest:
     """Incremental digest: feeding the pieces of a byte string in order gives its digest."""
 
-    def __init__(self) -> None:
-        self._h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    def __init__(self, threads: bool = True) -> None:
+        """``threads``: use BLAKE3's own thread pool (False where the caller runs one digest per core)."""
+        self._h = blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
 
     def update(self, data: bytes | memoryview | np.ndarray) -> None:
         if isinstance(data, np.ndarray):

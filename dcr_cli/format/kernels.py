@@ -448,6 +448,34 @@ def scatter(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
     the middle of a write would leave them (a receiver's resume repairs such an item). ``values``
     must have ``out``'s dtype; indices may be 32- or 64-bit.
     """
+    index, values = _scatter_inputs(out, index, values)
+    if index.size and _scatter(out, index, values) != index.size:
+        raise IndexError(f"scatter: an index is outside the storage of {out.size} elements")
+
+
+# Elements a checked scatter writes before it reads them back: their cache lines are still in L1/L2.
+_CHECK_RUN = 4096
+
+
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
+def _scatter_checked(out, index, values):  # pragma: no cover - compiled
+    # Returns how many were written (as _scatter) and how many of them did not read back as written.
+    n = out.shape[0]
+    bad = 0
+    for lo in range(0, index.shape[0], _CHECK_RUN):
+        hi = min(lo + _CHECK_RUN, index.shape[0])
+        for i in range(lo, hi):
+            at = index[i]
+            if at < 0 or at >= n:
+                return i, bad
+            out[at] = values[i]
+        for i in range(lo, hi):
+            if out[index[i]] != values[i]:
+                bad += 1
+    return index.shape[0], bad
+
+
+def _scatter_inputs(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if out.ndim != 1 or index.ndim != 1 or values.shape != index.shape or values.dtype != out.dtype:
         raise ValueError(f"scatter: 1-D {out.dtype} storage, indices and values of one length (got {values.dtype})")
     # One compiled variant per dtype and index width (compile_scatter): strided or read-only inputs are copied.
@@ -455,15 +483,31 @@ def scatter(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
         values = np.array(values)
     if not (index.flags.c_contiguous and index.flags.writeable):
         index = np.array(index)
-    if index.size and _scatter(out, index, values) != index.size:
+    return index, values
+
+
+def scatter_checked(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> int:
+    """``scatter``, each run of elements read back right after it is written; how many did not read
+    back as written (0 unless the storage is not memory that holds what is stored in it).
+
+    Costs little more than ``scatter``: the lines read back are still in cache.
+    """
+    index, values = _scatter_inputs(out, index, values)
+    if not index.size:
+        return 0
+    written, bad = _scatter_checked(out, index, values)
+    if written != index.size:
         raise IndexError(f"scatter: an index is outside the storage of {out.size} elements")
+    return int(bad)
 
 
 def compile_scatter(dtype: np.dtype) -> None:
-    """Compile ``scatter`` for this element dtype (32- and 64-bit indices), or load it from numba's cache.
+    """Compile ``scatter`` and ``scatter_checked`` for this element dtype (32- and 64-bit indices), or
+    load them from numba's cache.
 
     A receiver calls it before it pauses an engine, so the first write does not wait for the compiler.
     """
     empty = np.zeros(0, dtype=dtype)
     for index in (np.int32, np.int64):
         _scatter(empty, np.zeros(0, dtype=index), empty)
+        _scatter_checked(empty, np.zeros(0, dtype=index), empty)

@@ -93,6 +93,16 @@ def proof_failure(manifest: Manifest, bad: list[str], where: str) -> IntegrityEr
     )
 
 
+def prediction_failure(manifest: Manifest, bad: list[str], where: str) -> IntegrityError:
+    shown = ", ".join(quote(n) for n in bad[:5]) + (" …" if len(bad) > 5 else "")
+    return IntegrityError(
+        f"{where}: {len(bad)} tensors would not hold the target {manifest.target.version} after the writes "
+        f"({shown}): their items do not lead from the bits held to the target table's digests; the delta is "
+        "inconsistent with its own table — nothing was written; re-run with an intact delta for the same base "
+        "and target, or refit densely"
+    )
+
+
 # --------------------------------------------------------------------------- items
 
 

@@ -33,7 +33,7 @@ from ...delta.reader import Delta
 from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import from_torch, numpy_int
-from ...format.kernels import compile_scatter, scatter
+from ...format.kernels import compile_scatter, scatter, scatter_checked
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
@@ -52,6 +52,8 @@ from .placement import (
 
 # All-gather of a picklable object across the engine's ranks (identity on one rank).
 Exchange = Callable[[Any], list[Any]]
+# One write-and-prove task's result: (kind, written) per item, digests, seconds writing and digesting.
+_WriteResult = tuple[list[tuple[str, int]], dict[str, str], float, float]
 
 T = TypeVar("T")
 
@@ -130,7 +132,10 @@ class ApplyReport:
     written_elements: int = 0
     seconds: float = 0.0
     staged: int = 0  # items whose first pass ran before the pause (``prepare``)
-    proof_seconds: float = 0.0  # reading back the touched tensors after the writes
+    # Touched tensors whose target digest the first pass proved from the bits held and the new bits
+    # (before any write); after the writes only their written elements are read back.
+    predicted: int = 0
+    proof_seconds: float = 0.0  # reading back after the writes (the other tensors whole, the written elements)
     # Seconds per phase inside the engine: check, first_pass (before any write; done before the
     # pause where the client staged the delta), writes, proof.
     phases: dict[str, float] = field(default_factory=dict)
@@ -185,7 +190,9 @@ class Staged:
     resuming: bool
     prepared: dict[int, Prepared]  # item index -> first pass result (within PREPARED_BYTES)
     seconds: float
-    phases: dict[str, float] = field(default_factory=dict)  # of the prepare: check, fingerprint
+    phases: dict[str, float] = field(default_factory=dict)  # of the prepare: check, fingerprint, predict
+    predicted: frozenset[str] = frozenset()  # tensors whose target digest the first pass proved
+    placements: dict[str, Placement] = field(default_factory=dict)  # those the kept items were located by
 
 
 @dataclass
@@ -230,11 +237,22 @@ class Located:
 
 
 def _write_elements(flat: np.ndarray | torch.Tensor, index: np.ndarray | torch.Tensor, values) -> None:  # type: ignore[no-untyped-def]
-    """The only place dcr writes resident weights (tests inject failures here)."""
+    """The only place dcr writes resident weights (tests inject failures here).
+
+    Every element is read back as it is written (on the CPU, each run while its lines are in
+    cache): the proof of a tensor whose target digest the first pass proved (``_predict``) is
+    that its writes landed, so a write that does not read back fails the apply here.
+    """
     if isinstance(flat, np.ndarray) and isinstance(index, np.ndarray) and isinstance(values, np.ndarray):
-        scatter(flat, index, values)  # CPU memory: one compiled pass (numpy's fancy assignment takes ~1.4x)
+        bad = scatter_checked(flat, index, values)  # one compiled pass (numpy's fancy assignment takes ~1.4x)
     else:
         flat[index] = values
+        bad = int((flat[index] != values).sum())
+    if bad:
+        raise IntegrityError(
+            f"{bad} of the {len(index)} elements written do not read back as written: the engine's weight "
+            "storage does not hold what is stored in it; the version was not recorded; reload the engine"
+        )
 
 
 class EngineReceiver:
@@ -257,6 +275,8 @@ class EngineReceiver:
         # checked by its own digest; the whole blocks before prepare returns, so before the pause).
         self._overlap_fetch = False
         self._fingerprint_seconds = 0.0
+        self._predicted: set[str] = set()  # this first pass's tensors whose target digest is proven (_predict)
+        self._predict_seconds = 0.0
         self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
 
     def exchange(self, obj: Any) -> list[Any]:
@@ -380,10 +400,15 @@ class EngineReceiver:
         tile it exactly (every weight at TP=1, fused qkv/gate_up blocks included), the canonical
         bytes *are* those runs: they are digested where they live, without a copy.
         """
+        runs = self._runs(placement)
+        return None if runs is None else [run for _, run in runs]
+
+    def _runs(self, placement: Placement) -> list[tuple[Destination, np.ndarray]] | None:
+        """``spans``, each with the destination whose storage it is."""
         if not self.single:
             return None
         resident = self.resident()
-        out: list[np.ndarray] = []
+        out: list[tuple[Destination, np.ndarray]] = []
         at = 0
         for dest in sorted(placement.destinations, key=lambda d: d.src_offset):
             if dest.cast(placement.dtype) or not dest.contiguous or dest.src_offset != at:
@@ -391,7 +416,7 @@ class EngineReceiver:
             flat = flat_storage(resident[dest.param])
             if flat.device.type != "cpu":
                 return None
-            out.append(_as_uint(flat[dest.dst_offset : dest.dst_offset + dest.numel]))
+            out.append((dest, _as_uint(flat[dest.dst_offset : dest.dst_offset + dest.numel])))
             at += dest.numel
         return out if at == placement.numel else None
 
@@ -575,7 +600,8 @@ class EngineReceiver:
         proves. Returns the mode, as ``check``.
         """
         self._staged = None
-        self._fingerprint_seconds = 0.0
+        self._fingerprint_seconds = self._predict_seconds = 0.0
+        self._predicted = set()
         started = time.perf_counter()
         self._overlap_fetch = True
         try:
@@ -595,7 +621,19 @@ class EngineReceiver:
         finally:
             self._prepared.clear()
             self._prepared_bytes = 0
-        self._staged = Staged(delta.id, self._state_key(), resuming, prepared, time.perf_counter() - started, phases)
+        phases["predict"] = self._predict_seconds
+        items = delta.manifest.items
+        placements = {items[k].tensor: self._placements[items[k].tensor] for k in prepared}
+        self._staged = Staged(
+            delta.id,
+            self._state_key(),
+            resuming,
+            prepared,
+            time.perf_counter() - started,
+            phases,
+            frozenset(self._predicted),
+            placements,
+        )
         return mode
 
     def _untouched_and_first_pass(
@@ -611,6 +649,10 @@ class EngineReceiver:
             receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
         if first_pass:
             self._first_pass(delta, resuming, skip=skip)
+        if not resuming and self.single:
+            started = time.perf_counter()
+            self._predicted |= self._predict(delta, {**(skip or {}), **self._prepared})
+            self._predict_seconds += time.perf_counter() - started
         if blocks and delta.source.remote:  # prepare: the download overlapped the first pass; now every block whole
             delta.verify_blocks()
 
@@ -619,6 +661,11 @@ class EngineReceiver:
         if staged is None or staged.delta_id != delta.id or staged.key != self._state_key():
             return None
         return staged
+
+    def _staged_still_placed(self, staged: Staged) -> bool:
+        """Whether every tensor with kept items is still placed as when they were located (after ``check``,
+        which re-traces a placement whose parameter storage changed): else the kept indices are stale."""
+        return all(self._placements.get(name) is placement for name, placement in staged.placements.items())
 
     @torch.no_grad()
     def apply(self, delta: Delta) -> ApplyReport:
@@ -630,8 +677,10 @@ class EngineReceiver:
             assert self.state.fingerprint is not None
             return ApplyReport("noop", m.target.version, self.state.fingerprint)
         resuming = mode == "resume"
-        if staged is not None and staged.resuming != resuming:
+        if staged is not None and (staged.resuming != resuming or not self._staged_still_placed(staged)):
             staged = None
+        self._predicted = set(staged.predicted) if staged is not None else set()
+        self._predict_seconds = 0.0
         phases = {**(staged.phases if staged is not None else {}), "check": time.perf_counter() - started}
         base_table = self.held_table() if self.state.fingerprint == m.base.fingerprint else None
         try:
@@ -646,6 +695,9 @@ class EngineReceiver:
             self._prepared.clear()
             self._prepared_bytes = 0
             phases["first_pass"] = time.perf_counter() - t + (staged.seconds if staged is not None else 0.0)
+            if self._predict_seconds:
+                phases["predict"] = phases.get("predict", 0.0) + self._predict_seconds
+            predicted = set(self._predicted)
             self.state.applying = {
                 "delta_id": delta.id,
                 "base": {"version": m.base.version, "fingerprint": m.base.fingerprint},
@@ -653,13 +705,16 @@ class EngineReceiver:
             }
             report = ApplyReport("resumed" if resuming else "applied", m.target.version, m.target.fingerprint)
             report.staged = staged_items
+            report.predicted = len(predicted)
             # The proof: what was touched (everything, where the base table is unknown) reads back
             # as the target table. Until it does, the engine stays "applying" and no version is
-            # recorded. On one rank each tensor is digested right after its writes, on all cores.
+            # recorded. On one rank each tensor is digested right after its writes, on all cores;
+            # a tensor whose target digest the first pass proved (_predict) has its written
+            # elements read back instead.
             names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
             t = time.perf_counter()
             if self.single:
-                digests = self._write_and_prove(delta, resuming, prepared, names, report, phases)
+                digests = self._write_and_prove(delta, resuming, prepared, names, predicted, report, phases)
                 report.proof_seconds = phases["proof_cpu"]
             else:
                 self.agree(lambda: self._write_in_order(delta, resuming, prepared, report))
@@ -697,11 +752,14 @@ class EngineReceiver:
         resuming: bool,
         prepared: dict[int, Prepared],
         names: list[str],
+        predicted: set[str],
         report: ApplyReport,
         phases: dict[str, float],
     ) -> dict[str, str]:
         """One rank: write the items and digest the tensors ``names``, on all cores, each tensor
-        digested right after its own writes (while its lines are still in cache).
+        digested right after its own writes (while its lines are still in cache), except those whose
+        target digest is ``predicted`` (proven by the first pass from the bits held and the new
+        bits): their proof is that every element written reads back (``_write_elements``).
 
         Tensors whose destinations share a parameter (q/k/v in ``qkv_proj``, gate/up, tied
         weights) form one task, so no tensor is digested while another task writes into its
@@ -713,10 +771,10 @@ class EngineReceiver:
         self.resident()
         groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
         nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
-        proven = set(names)
+        digested = set(names) - predicted
 
-        def task(group: list[str]) -> Callable[[], tuple[list[tuple[str, int]], dict[str, str], float, float]]:
-            def run() -> tuple[list[tuple[str, int]], dict[str, str], float, float]:
+        def task(group: list[str]) -> Callable[[], _WriteResult]:
+            def run() -> _WriteResult:
                 counts: list[tuple[str, int]] = []
                 digests: dict[str, str] = {}
                 writing = hashing = 0.0
@@ -725,7 +783,7 @@ class EngineReceiver:
                     for k, item in by_tensor.get(name, ()):
                         counts.append(self.apply_item(delta, item, placements[name], resuming, prepared.pop(k, None)))
                     t2 = time.perf_counter()
-                    if name in proven:
+                    if name in digested:
                         digests[name] = self.tensor_digest(name, m.tensors[name])
                     writing, hashing = writing + t2 - t, hashing + time.perf_counter() - t2
                 return counts, digests, writing, hashing
@@ -737,8 +795,8 @@ class EngineReceiver:
         phases["writes_cpu"] = phases["proof_cpu"] = 0.0
         started = time.perf_counter()
         for counts, got, writing, hashing in ordered_parallel((task(g) for g in ordered), default_workers()):
-            for kind, written in counts:
-                self._count(report, kind, written)
+            for kind, count in counts:
+                self._count(report, kind, count)
             digests.update(got)
             phases["writes_cpu"] += writing
             phases["proof_cpu"] += hashing
@@ -788,6 +846,40 @@ class EngineReceiver:
             if self._prepared_bytes + prepared.nbytes <= PREPARED_BYTES:
                 self._prepared[k] = prepared
                 self._prepared_bytes += prepared.nbytes
+
+    def _predict(self, delta: Delta, prepared: dict[int, Prepared]) -> set[str]:
+        """A fresh apply on one rank, before any write: prove each touched tensor's target digest from
+        the bits the engine holds now with the items' new bits in their place, on all cores.
+
+        For the tensors not proven yet whose items are all kept ready (one destination, no cast, CPU
+        memory) and whose resident runs tile the canonical tensor (``spans``). Each is digested in
+        pieces through a scratch copy that stays in cache, so the engine's weights are only read,
+        and it serves meanwhile where this runs in ``prepare``. After the writes only the elements
+        written are read back (``_reads_back``): the proof costs a pass over the changes in the
+        pause, not a pass over the model. A tensor whose digest is not the target table's refuses
+        the delta here, with nothing written: its items do not lead from the engine's bits to the
+        table (a manifest that drops or edits an item and is signed again, say). Returns the
+        tensors proven.
+        """
+        m = delta.manifest
+        todo: list[tuple[str, list[tuple[Destination, np.ndarray]], list[Prepared]]] = []
+        for name, items in _grouped(delta):
+            kept = [prepared.get(k) for k, _ in items]
+            if name in self._predicted or not all(p is not None and p.ready for p in kept):
+                continue
+            runs = self._runs(self.placement(name, m.tensors[name]))
+            if runs is not None:
+                todo.append((name, runs, [p for p in kept if p is not None]))
+
+        def task(name: str, runs: list[tuple[Destination, np.ndarray]], kept: list[Prepared]) -> Callable[[], Any]:
+            return lambda: (name, _overlaid_digest(runs, kept))
+
+        todo.sort(key=lambda t: -sum(run.nbytes for _, run in t[1]))  # largest first (see _first_pass)
+        got = dict(ordered_parallel((task(*t) for t in todo), default_workers()))
+        wrong = sorted(name for name, digest in got.items() if digest != m.tensors[name].digest)
+        if wrong:
+            raise receiver_plan.prediction_failure(m, wrong, f"vLLM engine (recorded version {self.state.version})")
+        return set(got)
 
     def _locate_item(self, delta: Delta, item: Item, placement: Placement) -> Prepared:
         """The item decoded (section digest, frames) and located on this rank."""
@@ -897,6 +989,42 @@ def _storage_groups(params: dict[str, list[str]]) -> list[list[str]]:
     for name in sorted(params):
         groups.setdefault(root("t:" + name), []).append(name)
     return list(groups.values())
+
+
+# The piece of a tensor ``_overlaid_digest`` copies at a time: small enough to stay in a core's cache
+# between the copy, the overlay and the digest; large enough that Python's cost per piece is noise.
+OVERLAY_PIECE_BYTES = 1 << 20
+
+
+def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prepared]) -> str:
+    """Digest of the canonical tensor held in ``runs`` (``spans``, in canonical order) as it will be
+    once the ready items ``kept`` are written: each run read in pieces into a scratch buffer, the
+    new bits of the elements that change put in place there, the buffer digested. Reads only."""
+    digest = StreamingDigest(threads=False)  # one tensor per core (the caller's pool)
+    for dest, run in runs:
+        mine = [p for p in kept if p.located[0].dest == dest]
+        bits = numpy_int(run.itemsize)
+        index = np.concatenate([p.located[0].index for p in mine]) - dest.dst_offset if mine else np.zeros(0, np.int64)
+        values = np.concatenate([p.new.view(bits) for p in mine if p.new is not None]) if mine else np.zeros(0, bits)
+        if index.size > 1 and not bool((index[1:] > index[:-1]).all()):  # items in another order than the tensor's
+            order = np.argsort(index, kind="stable")
+            index, values = index[order], values[order]
+        if not index.size:
+            digest.update(run)
+            continue
+        step = max(1, OVERLAY_PIECE_BYTES // run.itemsize)
+        edges = np.searchsorted(index, np.arange(0, run.size + step, step))
+        scratch = np.empty(min(step, run.size), dtype=bits)
+        for piece, lo in enumerate(range(0, run.size, step)):
+            hi, a, b = min(lo + step, run.size), int(edges[piece]), int(edges[piece + 1])
+            if a == b:
+                digest.update(run[lo:hi])
+                continue
+            held = scratch[: hi - lo]
+            np.copyto(held, run[lo:hi].view(bits))
+            scatter(held, index[a:b] - lo, values[a:b])
+            digest.update(held)
+    return digest.hexdigest()
 
 
 def _grouped(delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:
