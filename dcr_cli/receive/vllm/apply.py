@@ -1013,7 +1013,7 @@ def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prep
             digest.update(run)
             continue
         step = max(1, OVERLAY_PIECE_BYTES // run.itemsize)
-        edges = np.searchsorted(index, np.arange(0, run.size + step, step))
+        edges = np.searchsorted(index, np.arange(0, run.size + step, step, dtype=index.dtype))  # no cast of index
         scratch = np.empty(min(step, run.size), dtype=bits)
         for piece, lo in enumerate(range(0, run.size, step)):
             hi, a, b = min(lo + step, run.size), int(edges[piece]), int(edges[piece + 1])
