@@ -1013,7 +1013,9 @@ def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prep
             digest.update(run)
             continue
         step = max(1, OVERLAY_PIECE_BYTES // run.itemsize)
-        edges = np.searchsorted(index, np.arange(0, run.size + step, step, dtype=index.dtype))  # no cast of index
+        # The piece edges in the index's own dtype where they fit it (searching casts the index otherwise).
+        fits = run.size + step <= np.iinfo(index.dtype).max
+        edges = np.searchsorted(index, np.arange(0, run.size + step, step, dtype=index.dtype if fits else np.int64))
         scratch = np.empty(min(step, run.size), dtype=bits)
         for piece, lo in enumerate(range(0, run.size, step)):
             hi, a, b = min(lo + step, run.size), int(edges[piece]), int(edges[piece + 1])
