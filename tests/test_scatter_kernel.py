@@ -1,5 +1,6 @@
 """format/kernels.scatter, the receivers' sparse write: the same bits as numpy's fancy assignment;
-scatter_checked, the same write with each run read back while in cache (a vLLM apply's writes)."""
+scatter_checked, the same write with each run read back while in cache (a vLLM apply's writes);
+gather, the first pass's scattered read: the same bits as numpy's fancy indexing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr_cli.format.kernels import scatter, scatter_checked
+from dcr_cli.format.kernels import gather, scatter, scatter_checked
 
 WIDTHS = [np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
 
@@ -104,3 +105,27 @@ def test_checked_scatter_stops_at_an_index_outside_the_storage(bad: int) -> None
     with pytest.raises(IndexError, match="outside the storage"):
         scatter_checked(out, np.array([1, bad, 2], dtype=np.int64), np.array([7, 8, 9], dtype=np.int16))
     assert out[1] == 7 and out[2] == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(WIDTHS),
+    index_dtype=st.sampled_from([np.int32, np.int64]),
+    size=st.integers(1, 300),
+    data=st.data(),
+)
+def test_gather_reads_what_numpy_reads(dtype: type, index_dtype: type, size: int, data: st.DataObject) -> None:
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    info = np.iinfo(dtype)
+    src = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
+    index = rng.integers(0, size, data.draw(st.integers(0, 2 * size))).astype(index_dtype)
+    if data.draw(st.booleans()):
+        index = index[::-1]  # a strided view: copied, not a new compiled variant
+    got = gather(src, index)
+    assert got.dtype == src.dtype and got.tobytes() == src[index].tobytes()
+
+
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_gather_refuses_an_index_outside_the_storage(bad: int) -> None:
+    with pytest.raises(IndexError, match="outside the storage"):
+        gather(np.zeros(10, dtype=np.int16), np.array([1, bad], dtype=np.int64))

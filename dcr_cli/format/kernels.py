@@ -501,9 +501,33 @@ def scatter_checked(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> i
     return int(bad)
 
 
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
+def _gather(src, index, out):  # pragma: no cover - compiled
+    n = src.shape[0]
+    for i in range(index.shape[0]):
+        at = index[i]
+        if at < 0 or at >= n:
+            return i
+        out[i] = src[at]
+    return index.shape[0]
+
+
+def gather(src: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``src[index]`` for a 1-D ``src``, in one pass without the GIL (numpy's fancy indexing takes ~1.7x
+    and barely runs two threads at once). An index outside ``src`` raises IndexError."""
+    if src.ndim != 1 or index.ndim != 1:
+        raise ValueError("gather: 1-D storage and indices")
+    if not (index.flags.c_contiguous and index.flags.writeable):
+        index = np.array(index)
+    out = np.empty(index.shape[0], dtype=src.dtype)
+    if index.size and _gather(src, index, out) != index.size:
+        raise IndexError(f"gather: an index is outside the storage of {src.size} elements")
+    return out
+
+
 def compile_scatter(dtype: np.dtype) -> None:
-    """Compile ``scatter`` and ``scatter_checked`` for this element dtype (32- and 64-bit indices), or
-    load them from numba's cache.
+    """Compile ``scatter``, ``scatter_checked`` and ``gather`` for this element dtype (32- and 64-bit
+    indices), or load them from numba's cache.
 
     A receiver calls it before it pauses an engine, so the first write does not wait for the compiler.
     """
@@ -511,3 +535,4 @@ def compile_scatter(dtype: np.dtype) -> None:
     for index in (np.int32, np.int64):
         _scatter(empty, np.zeros(0, dtype=index), empty)
         _scatter_checked(empty, np.zeros(0, dtype=index), empty)
+        _gather(empty, np.zeros(0, dtype=index), empty)

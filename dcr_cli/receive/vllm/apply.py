@@ -33,7 +33,7 @@ from ...delta.reader import Delta
 from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import from_torch, numpy_int
-from ...format.kernels import compile_scatter, scatter, scatter_checked
+from ...format.kernels import compile_scatter, gather, scatter, scatter_checked
 from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
@@ -213,9 +213,9 @@ class Located:
         return np.flatnonzero(self.hit)
 
     def read(self) -> torch.Tensor:
-        """Current bits at ``index`` (on the CPU; numpy indexing there, which is cheaper for scattered reads)."""
+        """Current bits at ``index`` (on the CPU; a compiled gather there, which is cheaper for scattered reads)."""
         if self.flat.device.type == "cpu":
-            return torch.from_numpy(self.flat.numpy()[self.index])
+            return torch.from_numpy(gather(self.flat.numpy(), self.index))
         return self.flat[torch.from_numpy(self.index).to(self.flat.device)].cpu()
 
     def write_where_different(self, want: torch.Tensor) -> int:
