@@ -135,7 +135,7 @@ class ApplyReport:
     # Touched tensors whose target digest the first pass proved from the bits held and the new bits
     # (before any write); after the writes only their written elements are read back.
     predicted: int = 0
-    proof_seconds: float = 0.0  # reading back after the writes (the other tensors whole, the written elements)
+    proof_seconds: float = 0.0  # digesting, after the writes, the touched tensors not predicted
     # Seconds per phase inside the engine: check, first_pass (before any write; done before the
     # pause where the client staged the delta), writes, proof.
     phases: dict[str, float] = field(default_factory=dict)
@@ -166,13 +166,16 @@ class Prepared:
     current: np.ndarray | None = None  # the item's elements (all ranks) when first read
     digest: str | None = None  # their digest (None: replicas disagree)
     new: np.ndarray | None = None  # the bits to write, checked against ``post`` (a fresh apply's pending item)
+    # The canonical flat index of each of the item's positions, while it may be needed to put ``new`` in
+    # place in the whole tensor (``_predict`` of a tensor not held as plain runs); None once ``ready``.
+    canonical: np.ndarray | None = None
     # ``new`` and the one destination's indices are all the write needs, and only the elements that change
     # are left in them (one copy, no cast, on the CPU).
     ready: bool = False
 
     @property
     def nbytes(self) -> int:
-        held = [a for a in (self.values, self.current, self.new) if a is not None]
+        held = [a for a in (self.values, self.current, self.new, self.canonical) if a is not None]
         held += [a for at in self.located for a in (at.hit, at.index) if isinstance(a, np.ndarray)]
         return sum(a.nbytes for a in held)
 
@@ -240,8 +243,9 @@ def _write_elements(flat: np.ndarray | torch.Tensor, index: np.ndarray | torch.T
     """The only place dcr writes resident weights (tests inject failures here).
 
     Every element is read back as it is written (on the CPU, each run while its lines are in
-    cache): the proof of a tensor whose target digest the first pass proved (``_predict``) is
-    that its writes landed, so a write that does not read back fails the apply here.
+    cache), a cheap check that the writes landed: two values for one element in one write, or a
+    storage that does not hold what is stored in it, fail the apply here. It is not what proves a
+    tensor: its digest before the writes does (``_predict``), or after them.
     """
     if isinstance(flat, np.ndarray) and isinstance(index, np.ndarray) and isinstance(values, np.ndarray):
         bad = scatter_checked(flat, index, values)  # one compiled pass (numpy's fancy assignment takes ~1.4x)
@@ -276,6 +280,7 @@ class EngineReceiver:
         self._overlap_fetch = False
         self._fingerprint_seconds = 0.0
         self._predicted: set[str] = set()  # this first pass's tensors whose target digest is proven (_predict)
+        self._aliased_names: set[str] = set()  # tensors sharing storage with another, found by _predict
         self._predict_seconds = 0.0
         self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
 
@@ -649,7 +654,7 @@ class EngineReceiver:
             receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
         if first_pass:
             self._first_pass(delta, resuming, skip=skip)
-        if not resuming and self.single:
+        if not resuming:
             started = time.perf_counter()
             self._predicted |= self._predict(delta, {**(skip or {}), **self._prepared})
             self._predict_seconds += time.perf_counter() - started
@@ -680,6 +685,7 @@ class EngineReceiver:
         if staged is not None and (staged.resuming != resuming or not self._staged_still_placed(staged)):
             staged = None
         self._predicted = set(staged.predicted) if staged is not None else set()
+        self._aliased_names = set()
         self._predict_seconds = 0.0
         phases = {**(staged.phases if staged is not None else {}), "check": time.perf_counter() - started}
         base_table = self.held_table() if self.state.fingerprint == m.base.fingerprint else None
@@ -712,6 +718,10 @@ class EngineReceiver:
             # a tensor whose target digest the first pass proved (_predict) has its written
             # elements read back instead.
             names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
+            # Tensors sharing storage with another are digested whole, touched or not (_aliased; a
+            # fresh apply only: a resume digests every touched tensor anyway).
+            if not resuming:
+                names = sorted({*names, *self._aliased_names})
             t = time.perf_counter()
             if self.single:
                 digests = self._write_and_prove(delta, resuming, prepared, names, predicted, report, phases)
@@ -720,11 +730,15 @@ class EngineReceiver:
                 self.agree(lambda: self._write_in_order(delta, resuming, prepared, report))
                 phases["writes"] = time.perf_counter() - t
                 t = time.perf_counter()
-                digests = self.agree(lambda: self.digests(m.tensors, names))
+                rest = [n for n in names if n not in predicted]  # the same on every rank (agreed in _predict)
+                digests = self.agree(lambda: self.digests(m.tensors, rest))
                 report.proof_seconds = phases["proof"] = time.perf_counter() - t
         finally:
             self._prepared.clear()
             self._prepared_bytes = 0
+        unaccounted = set(names) - set(digests) - predicted
+        if unaccounted:  # a bug, never a delta's fault: nothing may be recorded unproven
+            raise DcrError(f"internal error: {len(unaccounted)} touched tensors were neither digested nor predicted")
         bad = receiver_plan.unproven(m, digests)
         if bad:
             raise receiver_plan.proof_failure(m, bad, "vLLM engine")
@@ -846,47 +860,105 @@ class EngineReceiver:
             if self._prepared_bytes + prepared.nbytes <= PREPARED_BYTES:
                 self._prepared[k] = prepared
                 self._prepared_bytes += prepared.nbytes
+        if not self.single:
+            # Ranks hold different shares of an item, so each fills its budget differently: keep only the
+            # items every rank kept, so all take the same steps (and exchanges) from here on.
+            common = set.intersection(*(set(keys) for keys in self.exchange(sorted(self._prepared))))
+            for k in [k for k in self._prepared if k not in common]:
+                self._prepared_bytes -= self._prepared.pop(k).nbytes
 
     def _predict(self, delta: Delta, prepared: dict[int, Prepared]) -> set[str]:
-        """A fresh apply on one rank, before any write: prove each touched tensor's target digest from
-        the bits the engine holds now with the items' new bits in their place, on all cores.
+        """A fresh apply, before any write: prove each touched tensor's target digest from the bits
+        the engine holds now with the items' new bits in their place.
 
-        For the tensors not proven yet whose items are all kept ready (one destination, no cast, CPU
-        memory) and whose resident runs tile the canonical tensor (``spans``). Each is digested in
-        pieces through a scratch copy that stays in cache, so the engine's weights are only read,
-        and it serves meanwhile where this runs in ``prepare``. After the writes only the elements
-        written are read back (``_reads_back``): the proof costs a pass over the changes in the
-        pause, not a pass over the model. A tensor whose digest is not the target table's refuses
-        the delta here, with nothing written: its items do not lead from the engine's bits to the
-        table (a manifest that drops or edits an item and is signed again, say). Returns the
-        tensors proven.
+        For the tensors not proven yet whose items were all kept with their new bits, and whose
+        storage no other tensor of the table shares (``_aliased``: another tensor's writes would
+        change it). On one rank, where the items are ready and the resident runs tile the canonical
+        tensor (``spans``), each tensor is digested in pieces through a scratch copy that stays in
+        cache, on all cores; otherwise (several ranks, widening casts, device memory) the whole
+        tensor is read back from every rank (``read_tensor``) and the new bits put in place at the
+        items' canonical positions. The engine's weights are only read, and it serves meanwhile
+        where this runs in ``prepare``; after the writes these tensors are not digested again, so
+        the pause costs a pass over the changes, not over the model. A tensor whose digest is not
+        the target table's refuses the delta here, with nothing written: its items do not lead from
+        the engine's bits to the table (a manifest that drops or edits an item and is signed again,
+        say). Returns the tensors proven.
         """
         m = delta.manifest
         todo: list[tuple[str, list[tuple[Destination, np.ndarray]], list[Prepared]]] = []
+        assembled: list[tuple[str, list[Prepared]]] = []
+        aliased = self._aliased(m.tensors)
+        if not self.single:  # every rank digests the same tensors after the writes (each one exchanges)
+            aliased = set().union(*(set(names) for names in self.exchange(sorted(aliased))))
+        self._aliased_names = aliased
         for name, items in _grouped(delta):
-            kept = [prepared.get(k) for k, _ in items]
-            if name in self._predicted or not all(p is not None and p.ready for p in kept):
+            got_all = [prepared.get(k) for k, _ in items]
+            kept = [p for p in got_all if p is not None and p.new is not None]
+            if name in self._predicted or name in aliased or len(kept) != len(items):
                 continue
-            runs = self._runs(self.placement(name, m.tensors[name]))
+            runs = self._runs(self.placement(name, m.tensors[name])) if all(p.ready for p in kept) else None
             if runs is not None:
-                todo.append((name, runs, [p for p in kept if p is not None]))
+                todo.append((name, runs, kept))
+            elif all(p.ready or p.canonical is not None for p in kept):
+                assembled.append((name, kept))
+        if not self.single:  # every rank takes the same tensors, in the same order (each one exchanges)
+            agreed = set.intersection(*(set(names) for names in self.exchange([n for n, _ in assembled])))
+            assembled = [(n, kept) for n, kept in assembled if n in agreed]
 
         def task(name: str, runs: list[tuple[Destination, np.ndarray]], kept: list[Prepared]) -> Callable[[], Any]:
             return lambda: (name, _overlaid_digest(runs, kept))
 
         todo.sort(key=lambda t: -sum(run.nbytes for _, run in t[1]))  # largest first (see _first_pass)
         got = dict(ordered_parallel((task(*t) for t in todo), default_workers()))
+        for name, kept in assembled:  # the whole tensor, from every rank, with the new bits in place
+            whole = self.read_tensor(name, m.tensors[name])
+            for p in kept:
+                assert p.new is not None and p.canonical is not None
+                whole[p.canonical] = p.new.view(whole.dtype)
+            got[name] = digest_bytes(whole)
         wrong = sorted(name for name, digest in got.items() if digest != m.tensors[name].digest)
         if wrong:
             raise receiver_plan.prediction_failure(m, wrong, f"vLLM engine (recorded version {self.state.version})")
         return set(got)
 
+    def _aliased(self, table: dict[str, TensorEntry]) -> set[str]:
+        """Tensors of ``table`` whose destinations on this rank share storage elements with another
+        tensor's (tied weights that the loader copies both ways into one parameter, say).
+
+        Such a tensor is never proven by ``_predict`` (another tensor's writes change its bits) and
+        is digested whole after the writes, touched or not. Conservative: a destination counts as
+        the whole range of storage elements it spans, and tensors whose ranges chain into one
+        overlapping cluster are all aliased.
+        """
+        spans: dict[str, list[tuple[int, int, str]]] = {}
+        for name in table:
+            placement = self._placements.get(name)
+            for d in placement.destinations if placement is not None else ():
+                if d.numel:
+                    last = d.dst_offset + sum((n - 1) * st for n, st in zip(d.dst_size, d.dst_stride, strict=True))
+                    spans.setdefault(d.param, []).append((min(d.dst_offset, last), max(d.dst_offset, last) + 1, name))
+        aliased: set[str] = set()
+        for ranges in spans.values():
+            ranges.sort()
+            cluster: set[str] = set()
+            end = -1
+            for lo, hi, name in ranges:
+                if lo >= end:  # a new cluster of overlapping ranges
+                    if len(cluster) > 1:
+                        aliased |= cluster
+                    cluster, end = set(), hi
+                cluster.add(name)
+                end = max(end, hi)
+            if len(cluster) > 1:
+                aliased |= cluster
+        return aliased
+
     def _locate_item(self, delta: Delta, item: Item, placement: Placement) -> Prepared:
         """The item decoded (section digest, frames) and located on this rank."""
         decoded = delta.decode(item)
         positions = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
-        located = self.locate(placement, _to_canonical_index(item, positions, placement.shape))
-        return Prepared(decoded.values, located, len(positions))
+        canonical = _to_canonical_index(item, positions, placement.shape)
+        return Prepared(decoded.values, self.locate(placement, canonical), len(positions), canonical=canonical)
 
     def _compute_new(self, delta: Delta, item: Item, placement: Placement, prepared: Prepared) -> None:
         """A fresh apply's pending item: its new bits, checked against ``post`` (raises before any write).
@@ -912,7 +984,7 @@ class EngineReceiver:
             at.index, prepared.new = at.index[differs], new[differs]
         if at.flat.numel() <= np.iinfo(np.int32).max and at.index.dtype != np.int32:
             at.index = at.index.astype(np.int32)  # half the memory kept; the write kernel is as fast with it
-        prepared.ready = True
+        prepared.ready, prepared.canonical = True, None
 
     def _read(self, placement: Placement, prepared: Prepared) -> Prepared:
         """Read the item's elements as held now (all ranks) and their digest (None: replicas disagree)."""
