@@ -132,7 +132,7 @@ def test_a_rank_whose_untouched_check_refuses_fails_every_rank(step: str, monkey
     monkeypatch.setattr(EngineReceiver, "held_table", lambda self: f"rank {self.rank}'s table")
     monkeypatch.setattr(EngineReceiver, "_first_pass", lambda self, *args, **kwargs: None)
     monkeypatch.setattr(receiver_plan, "check_untouched", check_untouched)
-    manifest = SimpleNamespace(base=SimpleNamespace(fingerprint="fp-base"), items=[object()])
+    manifest = SimpleNamespace(base=SimpleNamespace(fingerprint="fp-base"), items=[object()], tensors={})
     delta = SimpleNamespace(manifest=manifest, url="d", id="delta-id", source=SimpleNamespace(remote=False))
 
     out, _ = run_ranks([lambda r: getattr(r, step)(delta)] * 2)
