@@ -867,7 +867,7 @@ def _present(store: Store, step: Step) -> bool:
     """Whether every data block of a shortcut's manifest is on the store with its size (its manifest intact)."""
     assert step.record is not None
     try:
-        manifest = parse_manifest(store.manifest_bytes(step.record))
+        manifest = parse_manifest(store.manifest_bytes(step.record, shortcut=True))
     except DcrError:
         return False
     data = [b for b in manifest.blocks if b.role == "data"]
@@ -1001,7 +1001,7 @@ def retained(store: Store) -> tuple[dict[str, int], set[str], list[str]]:
         if newest is not None and s.record.base.version == newest.version:
             manifests.add(f"{s.record.manifest}.json")
             with contextlib.suppress(DcrError):  # a shortcut whose manifest is gone is skipped by plan()
-                for block in parse_manifest(store.manifest_bytes(s.record)).blocks:
+                for block in parse_manifest(store.manifest_bytes(s.record, shortcut=True)).blocks:
                     needed[block.id] = block.size
         else:
             drop.append(rel)

@@ -56,6 +56,7 @@ from .repo import (
     check_label,
     dumps,
     poll,
+    record_name,
     utc_now,
 )
 
@@ -621,8 +622,9 @@ def _pull_record(
     (an older shortcut of them, published again) is fetched anew beside it, its blocks reused where their
     digests match, and put in its place only once verified: a failed fetch leaves it as it was. A directory
     that is no such delta, a file, a link, is never replaced (it may be the user's)."""
-    what = f"shortcut {record.base.version}->{record.version}" if kind == "shortcut" else f"version {record.version!r}"
-    raw = store.manifest_bytes(record)  # checked against the digest in the version record
+    shortcut = kind == "shortcut"
+    what = f"shortcut {record.base.version}->{record.version}" if shortcut else f"version {record.version!r}"
+    raw = store.manifest_bytes(record, shortcut=shortcut)  # checked against the digest in the version record
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
@@ -874,11 +876,11 @@ def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bo
     """The Delta a version record (or, with ``shortcut``, a shortcut's record) describes, reading its blocks
     from ``store``. A torn item whose repair block is absent is refused as not ready (exit 4) while the
     version's push may still upload it, as lost (exit 2) once it is complete (a shortcut always is)."""
-    raw = store.manifest_bytes(record)
+    raw = store.manifest_bytes(record, shortcut=shortcut)
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
-        raise IntegrityError(f"{store.url}: manifest of {record.version!r} does not match its record")
+        raise IntegrityError(f"{store.url}: manifest of {record_name(record, shortcut)} does not match its record")
     rel = f"{STORE_MANIFESTS}/{record.manifest}.json"
     return Delta(
         store.path(rel) if "://" not in store.url else f"{store.url.rstrip('/')}/{rel}",
