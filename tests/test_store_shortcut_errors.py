@@ -48,6 +48,17 @@ def _shortcut_fix(line: str, url: str) -> None:
     assert "dcr push" not in line, line  # was: "dcr push DELTA URL", which cannot restore a shortcut
 
 
+def test_a_corrupt_shortcut_block_met_by_a_pull_names_the_shortcut_fix(tmp_path: Path) -> None:
+    url, _ckpts = _store(tmp_path)
+    _flip(tmp_path / "store" / "blocks" / _blocks(url, "data")[0].id)
+
+    pulled = run_dcr("pull", url, "--since", "v1", "-o", str(tmp_path / "p"))
+    line = one_error_line(pulled)
+    assert pulled.returncode == 2 and "of shortcut v1->v3 is corrupt on the store" in line, line
+    _shortcut_fix(line, url)
+    assert line.endswith("then pull again"), line
+
+
 def test_a_corrupt_shortcut_block_met_by_an_apply_names_the_shortcut_fix(tmp_path: Path) -> None:
     url, ckpts = _store(tmp_path)
     _flip(tmp_path / "store" / "blocks" / _blocks(url, "data")[0].id)
@@ -59,6 +70,20 @@ def test_a_corrupt_shortcut_block_met_by_an_apply_names_the_shortcut_fix(tmp_pat
     _shortcut_fix(line, url)  # was: "dcr push DELTA URL --verify-remote (dcr compact for a shortcut's)"
     assert f"dcr check {url} --read-data" in line, line
     assert read_raw(recv) == before
+
+
+def test_a_pull_with_repair_blocks_names_a_shortcuts_lost_repair_block(tmp_path: Path) -> None:
+    url, _ckpts = _store(tmp_path)
+    repair = _blocks(url, "repair")
+    assert repair
+    for b in repair:
+        (tmp_path / "store" / "blocks" / b.id).unlink()
+    pulled = run_dcr("pull", url, "--since", "v1", "--repair", "-o", str(tmp_path / "p"))
+    line = one_error_line(pulled)
+    assert pulled.returncode == 2, pulled.stderr
+    assert f"repair block {repair[0].id[:16]}… of shortcut v1..v3 is missing" in line, line  # was: of version 'v3'
+    _shortcut_fix(line, url)
+    assert not (tmp_path / "p").exists()
 
 
 @pytest.mark.parametrize("how", ["corrupt", "missing"])
