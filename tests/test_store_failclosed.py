@@ -73,6 +73,7 @@ def test_a_torn_apply_before_the_repair_upload_is_not_ready_and_after_a_loss_is_
     lost = run_dcr("apply", url, "--version", "v1", "--into", str(torn2), env=env)
     line = one_error_line(lost)
     assert lost.returncode == 2 and "lost it" in line and f"restore it with dcr push DELTA {url}" in line
+    assert "compact" not in line, line  # the fix for a version only (was: "(or dcr compact for a shortcut)")
     assert read_raw(torn2) == before
 
     # The same block absent from a version without complete/v1 is pending again (exit 4).
@@ -265,7 +266,11 @@ def test_a_torn_apply_through_a_shortcut_lacking_a_repair_block_is_damage(
     before = read_raw(recv)
     proc = run_dcr("apply", url, "--since", "v0", "--into", str(recv))
     assert proc.returncode == 2, proc.stderr
-    assert "lost it although shortcut 'v4' is complete" in one_error_line(proc)
+    line = one_error_line(proc)
+    assert "lost it although shortcut v0..v4 is complete" in line, line
+    # dcr push cannot restore a shortcut, and dcr compact keeps one whose record is there: the record goes first.
+    assert f"remove shortcuts/v0/v4.json from {url} and publish it anew with dcr compact {url} --every K" in line
+    assert "dcr push" not in line, line
     assert read_raw(recv) == before
 
 

@@ -134,12 +134,16 @@ def test_a_direct_shortcut_manifest_is_always_complete(tmp_path: Path) -> None:
     (shortcut,) = shortcuts(Store(url))
     direct = Delta.open(f"{url}/manifests/{shortcut.record.manifest}.json")
     error = direct.source.missing_repair("'w': torn")
-    assert error.exit_code == 2 and "lost it although shortcut 'v2' is complete" in str(error), error
+    assert error.exit_code == 2 and "lost it although shortcut v0..v2 is complete" in str(error), error
+    # The fix that restores a shortcut (dcr push cannot; dcr compact keeps one whose record is there).
+    assert f"remove shortcuts/v0/v2.json from {url} and publish it anew with dcr compact {url} --every K" in str(error)
+    assert "dcr push" not in str(error), error
     # The version v2 itself (its own manifest) is complete too: pushed to the end, complete/v2 written.
     record = Store(url).version("v2")
     assert record is not None
     error = Delta.open(f"{url}/manifests/{record.manifest}.json").source.missing_repair("'w': torn")
     assert error.exit_code == 2 and "lost it although version 'v2' is complete" in str(error), error
+    assert f"restore it with dcr push DELTA {url}, then re-run" in str(error) and "compact" not in str(error), error
     (tmp_path / "store" / "complete" / "v2").unlink()
     error = Delta.open(f"{url}/manifests/{record.manifest}.json").source.missing_repair("'w': torn")
     assert error.exit_code == 4 and "does not have it yet" in str(error), error

@@ -162,9 +162,16 @@ class StoreManifestSource(BlockSource):
         except DcrError as exc:  # fail closed either way; the line says what could not be asked
             return IntegrityError(f"{what}; asking {url} whether its push is still uploading it failed: {exc}")
         if promised:
+            if kind == "shortcut":  # written by dcr compact, which keeps a shortcut whose record is there
+                base = self.base_version
+                return IntegrityError(
+                    f"{what}; {url} lost it although shortcut {base}..{target} is complete there: remove "
+                    f"{SHORTCUTS}/{base}/{target}.json from {url} and publish it anew with dcr compact {url} "
+                    "--every K, then re-run"
+                )
             return IntegrityError(
-                f"{what}; {url} lost it although {kind} {target!r} is complete there: "
-                f"restore it with dcr push DELTA {url} (or dcr compact for a shortcut), then re-run"
+                f"{what}; {url} lost it although version {target!r} is complete there: "
+                f"restore it with dcr push DELTA {url}, then re-run"
             )
         return NotReadyError(
             f"{what}; {url} does not have it yet: the producer's dcr push of {target!r} is still uploading "

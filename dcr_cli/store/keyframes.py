@@ -863,11 +863,15 @@ def plan(
     )
 
 
+def _shortcut_records(steps: list[Step]) -> list[VersionRecord]:
+    return [s.record for s in steps if s.kind == "shortcut" and s.record is not None]
+
+
 def _present(store: Store, step: Step) -> bool:
     """Whether every data block of a shortcut's manifest is on the store with its size (its manifest intact)."""
     assert step.record is not None
     try:
-        manifest = parse_manifest(store.manifest_bytes(step.record))
+        manifest = parse_manifest(store.manifest_bytes(step.record, shortcut=True))
     except DcrError:
         return False
     data = [b for b in manifest.blocks if b.role == "data"]
@@ -940,7 +944,7 @@ def pull_since(
     store = Store(url, storage_options)
     records = [s.record for s in chosen.steps if s.record is not None]
     if repair:  # before anything is written: a pull that cannot finish starts nothing
-        check_repairs(store, records, workers)
+        check_repairs(store, records, workers, shortcuts=_shortcut_records(chosen.steps))
     if on_total is not None:
         on_total(_transfer_bytes(records, repair))
     limiter = RateLimit(limit_rate) if limit_rate else None
@@ -962,7 +966,8 @@ def pull_plan(
     store = Store(url, storage_options)
     deltas = [s for s in the_plan.steps if s.kind != "keyframe"]
     if repair:  # before anything is written, the keyframe included
-        check_repairs(store, [s.record for s in deltas if s.record is not None], workers)
+        records = [s.record for s in deltas if s.record is not None]
+        check_repairs(store, records, workers, shortcuts=_shortcut_records(deltas))
     limiter = RateLimit(limit_rate) if limit_rate else None
     written: list[str] = []
     for s in the_plan.steps:
@@ -1001,7 +1006,7 @@ def retained(store: Store) -> tuple[dict[str, int], set[str], list[str]]:
         if newest is not None and s.record.base.version == newest.version:
             manifests.add(f"{s.record.manifest}.json")
             with contextlib.suppress(DcrError):  # a shortcut whose manifest is gone is skipped by plan()
-                for block in parse_manifest(store.manifest_bytes(s.record)).blocks:
+                for block in parse_manifest(store.manifest_bytes(s.record, shortcut=True)).blocks:
                     needed[block.id] = block.size
         else:
             drop.append(rel)

@@ -38,6 +38,7 @@ from ..format.store_records import (
     COMPLETE,
     MARKER,
     MAX_RECORD_BYTES,
+    SHORTCUTS,
     STORE_FORMAT,
     STORE_MAJOR,
     STORE_MINOR,
@@ -536,20 +537,37 @@ class Store:
         version = hint.get("version") if isinstance(hint, dict) else None
         return version if isinstance(version, str) and _LABEL.fullmatch(version) else None
 
-    def manifest_bytes(self, record: VersionRecord) -> bytes:
-        """The version's manifest, checked against the digest its record names (and its size before reading)."""
+    def manifest_bytes(self, record: VersionRecord, *, shortcut: bool = False) -> bytes:
+        """The version's (with ``shortcut``, the shortcut's) manifest, checked against the digest its record
+        names (and its size before reading)."""
         from ..format.manifest import MAX_MANIFEST_BYTES
 
         rel = f"{MANIFESTS}/{record.manifest}.json"
+        # A shortcut is derived data: compact makes it anew once its record is gone (store-v1 §6.2, §6.4).
+        fix = f"; {redo_shortcut(self.url, record)}" if shortcut else ""
         try:
             raw = self.read(rel, limit=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise DcrError(
-                f"{self.url}: the manifest of version {record.version!r} is gone (removed by dcr gc?)"
+                f"{self.url}: the manifest of {record_name(record, shortcut)} is gone (removed by dcr gc?){fix}"
             ) from None
         if digest_bytes(raw) != record.manifest:
-            raise IntegrityError(f"{self.url}/{rel}: manifest of version {record.version!r} is corrupt")
+            raise IntegrityError(f"{self.url}/{rel}: manifest of {record_name(record, shortcut)} is corrupt{fix}")
         return raw
+
+
+def record_name(record: VersionRecord, shortcut: bool = False) -> str:
+    """How a message names a record: "version 'v4'", or "shortcut v0..v4" (a squashed delta, store-v1 §6.2)."""
+    return f"shortcut {record.base.version}..{record.version}" if shortcut else f"version {record.version!r}"
+
+
+def redo_shortcut(url: str, record: VersionRecord) -> str:
+    """The fix for a shortcut whose manifest or blocks are lost or damaged. dcr push cannot restore it (dcr
+    compact wrote it), and dcr compact keeps a shortcut whose record is there: the record goes first."""
+    return (
+        f"remove {SHORTCUTS}/{record.base.version}/{record.version}.json from {url} and publish it anew with "
+        f"dcr compact {url} --every K"
+    )
 
 
 class StoreBlockSource(BlockSource):
@@ -567,7 +585,7 @@ class StoreBlockSource(BlockSource):
     )
     damaged_advice = (
         "the store's copy is damaged (dcr check URL --read-data lists every damaged object): restore it with "
-        "dcr push DELTA URL --verify-remote (dcr compact for a shortcut's), then re-run"
+        "dcr push DELTA URL --verify-remote, then re-run"
     )
 
     def __init__(self, store: Store, record: VersionRecord | None = None, *, repairs_promised: bool = False) -> None:
@@ -576,6 +594,11 @@ class StoreBlockSource(BlockSource):
         self.local = store.capabilities.local_files
         self.record = record
         self.repairs_promised = repairs_promised
+        if record is not None and repairs_promised:  # a shortcut's: dcr push cannot restore it
+            self.damaged_advice = (
+                f"the store's copy is damaged (dcr check {store.url} --read-data lists every damaged object): "
+                f"{redo_shortcut(store.url, record)}, then re-run"
+            )
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         return self.store.call(fn, what)
@@ -594,10 +617,11 @@ class StoreBlockSource(BlockSource):
             return IntegrityError(f"{what}; {self.missing_repair_advice}")
         promised = self.repairs_promised or record.minor < 1 or self.store.exists(f"{COMPLETE}/{record.version}")
         if promised:
-            kind = "shortcut" if self.repairs_promised else "version"
+            url = self.store.url
+            fix = redo_shortcut(url, record) if self.repairs_promised else f"restore it with dcr push DELTA {url}"
             return IntegrityError(
-                f"{what}; {self.store.url} lost it although {kind} {record.version!r} is complete there: "
-                f"restore it with dcr push DELTA {self.store.url} (or dcr compact for a shortcut), then re-run"
+                f"{what}; {url} lost it although {record_name(record, self.repairs_promised)} is complete there: "
+                f"{fix}, then re-run"
             )
         return NotReadyError(
             f"{what}; {self.store.url} does not have it yet: the producer's dcr push of {record.version!r} is "

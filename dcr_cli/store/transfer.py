@@ -23,7 +23,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -56,6 +56,8 @@ from .repo import (
     check_label,
     dumps,
     poll,
+    record_name,
+    redo_shortcut,
     utc_now,
 )
 
@@ -498,18 +500,26 @@ def missing_repair_blocks(store: Store, manifest: Manifest, workers: int = DEFAU
 
 
 def require_repair_blocks(
-    store: Store, record: VersionRecord, manifest: Manifest, then: str, workers: int = DEFAULT_WORKERS
+    store: Store,
+    record: VersionRecord,
+    manifest: Manifest,
+    then: str,
+    workers: int = DEFAULT_WORKERS,
+    *,
+    shortcut: bool = False,
 ) -> None:
     """Refuse (NotReadyError, exit 4) a version whose repair blocks are not all on the store yet.
 
     A push publishes a version before its repair blocks (store-v1 §4.1), so a version may be visible
     while they are still going up, or lack them for good if that push was stopped after publishing.
+    A shortcut's blocks all precede its record (§6.2): one absent is lost (IntegrityError, exit 2).
     """
     missing = missing_repair_blocks(store, manifest, workers)
-    if missing and (record.minor < 1 or store.exists(f"{COMPLETE}/{record.version}")):
-        raise IntegrityError(  # its push had uploaded every block: this one was lost since
-            f"{store.url}: repair block {missing[0].id[:16]}… of version {record.version!r} is missing from the "
-            f"store ({len(missing)} such); restore it with dcr push DELTA {store.url}, then {then}"
+    if missing and (shortcut or record.minor < 1 or store.exists(f"{COMPLETE}/{record.version}")):
+        fix = redo_shortcut(store.url, record) if shortcut else f"restore it with dcr push DELTA {store.url}"
+        raise IntegrityError(  # its push (or compact) had uploaded every block: this one was lost since
+            f"{store.url}: repair block {missing[0].id[:16]}… of {record_name(record, shortcut)} is missing from "
+            f"the store ({len(missing)} such); {fix}, then {then}"
         )
     if missing:
         raise NotReadyError(
@@ -595,11 +605,19 @@ def _transfer_bytes(records: list[VersionRecord], repair: bool) -> int:
     return sum(r.payload_bytes + (r.repair_bytes if repair else 0) for r in records)
 
 
-def check_repairs(store: Store, records: list[VersionRecord], workers: int = DEFAULT_WORKERS) -> None:
-    """Every one of these versions has all its repair blocks on the store (checked before a pull writes anything)."""
+def check_repairs(
+    store: Store,
+    records: list[VersionRecord],
+    workers: int = DEFAULT_WORKERS,
+    *,
+    shortcuts: Collection[VersionRecord] = (),
+) -> None:
+    """Every one of these versions (and of ``shortcuts``, those records that are shortcuts') has all its repair
+    blocks on the store (checked before a pull writes anything)."""
     for record in records:
-        manifest = parse_manifest(store.manifest_bytes(record))
-        require_repair_blocks(store, record, manifest, "pull again", workers)
+        shortcut = record in shortcuts
+        manifest = parse_manifest(store.manifest_bytes(record, shortcut=shortcut))
+        require_repair_blocks(store, record, manifest, "pull again", workers, shortcut=shortcut)
 
 
 def _pull_record(
@@ -621,8 +639,9 @@ def _pull_record(
     (an older shortcut of them, published again) is fetched anew beside it, its blocks reused where their
     digests match, and put in its place only once verified: a failed fetch leaves it as it was. A directory
     that is no such delta, a file, a link, is never replaced (it may be the user's)."""
-    what = f"shortcut {record.base.version}->{record.version}" if kind == "shortcut" else f"version {record.version!r}"
-    raw = store.manifest_bytes(record)  # checked against the digest in the version record
+    shortcut = kind == "shortcut"
+    what = f"shortcut {record.base.version}->{record.version}" if shortcut else f"version {record.version!r}"
+    raw = store.manifest_bytes(record, shortcut=shortcut)  # checked against the digest in the version record
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
@@ -664,7 +683,7 @@ def _pull_record(
     if done is not None:
         return done
     if repair and not repairs_checked:  # before anything is written: a pull that cannot finish starts nothing
-        require_repair_blocks(store, record, manifest, "pull again", workers)
+        require_repair_blocks(store, record, manifest, "pull again", workers, shortcut=shortcut)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial"
@@ -713,16 +732,16 @@ def _pull_record(
                 for block in missing:
                     fetcher.keep(block.id, blocks_dir / block.id)
         except MissingBlock as exc:
+            fix = redo_shortcut(store.url, record) if shortcut else "restore it with dcr push DELTA URL"
             raise IntegrityError(
-                f"{store.url}: a block of {what} is missing from the store ({exc}); "
-                "restore it with dcr push DELTA URL, then pull again"
+                f"{store.url}: a block of {what} is missing from the store ({exc}); {fix}, then pull again"
             ) from None
         except IntegrityError:
             which = f"block {block.id[:16]}…" if block is not None else "a block"
+            fix = redo_shortcut(store.url, record) if shortcut else "repair it with dcr push DELTA URL --verify-remote"
             raise IntegrityError(
                 f"{store.url}: {which} of {what} is corrupt on the store (wrong size or "
-                "digest); nothing was written to the output — repair it with dcr push DELTA URL --verify-remote, "
-                "then pull again"
+                f"digest); nothing was written to the output — {fix}, then pull again"
             ) from None
         for stray in blocks_dir.iterdir():
             if stray.name not in {b.id for b in wanted}:  # includes .part files of a killed pull
@@ -874,11 +893,11 @@ def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bo
     """The Delta a version record (or, with ``shortcut``, a shortcut's record) describes, reading its blocks
     from ``store``. A torn item whose repair block is absent is refused as not ready (exit 4) while the
     version's push may still upload it, as lost (exit 2) once it is complete (a shortcut always is)."""
-    raw = store.manifest_bytes(record)
+    raw = store.manifest_bytes(record, shortcut=shortcut)
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
-        raise IntegrityError(f"{store.url}: manifest of {record.version!r} does not match its record")
+        raise IntegrityError(f"{store.url}: manifest of {record_name(record, shortcut)} does not match its record")
     rel = f"{STORE_MANIFESTS}/{record.manifest}.json"
     return Delta(
         store.path(rel) if "://" not in store.url else f"{store.url.rstrip('/')}/{rel}",
