@@ -5,26 +5,26 @@ whose ``load_weights`` plays vLLM's loader (placement is traced through it as fo
   tensor's writes change their bits, so they are digested after all the writes;
 * a parameter replaced between ``prepare`` and the update drops the staged pass (its indices
   point into the old storage);
-* a tensor held through a widening cast is proven on its whole canonical read-back, and a
-  re-signed delta whose items miss the table is refused before any write there too.
+* a tensor held through a widening cast is digested after the writes (the cast can change a NaN
+  payload, so the bits written are not known before);
+* two ranks (threads exchanging through a barrier) predict the same tensors, in step, and drop a
+  staged pass together when one rank's is stale.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from manifest_text import manifest_v1
 from safetensors.numpy import save_file
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IntegrityError
-from dcr_cli.format.digest import digest_bytes
-from dcr_cli.format.manifest import MANIFEST_NAME, TensorEntry, fingerprint
 from dcr_cli.produce import diff
 from dcr_cli.receive.vllm.apply import EngineReceiver
 
@@ -100,22 +100,131 @@ def test_a_parameter_replaced_after_prepare_drops_the_staged_pass_and_the_apply_
     assert torch.equal(old.data, torch.from_numpy(x).reshape(-1))  # nothing went to the old storage
 
 
-def test_a_widened_tensor_is_predicted_from_its_read_back_and_a_resigned_table_is_refused_before_any_write(
+def test_an_untouched_tensor_sharing_storage_with_a_touched_one_is_digested_even_on_a_resume(tmp_path: Path) -> None:
+    """Base a == b in one storage; the target changes a only, so b's bits change with it."""
+    x, delta = _versions(tmp_path, {"a": [0], "b": []})
+    assert {item.tensor for item in delta.manifest.items} == {"a"}
+    _, receiver = _engine(x)
+    for attempt in ("fresh", "resume"):
+        with pytest.raises(IntegrityError, match=r"do not hold the target v1 \('b'\)"):
+            receiver.apply(delta)
+        assert receiver.state.version != "v1", attempt
+
+
+class Folded(torch.nn.Module):
+    """A 64 x 64 checkpoint tensor whose two halves the loader copies into one 32 x 64 parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.float16), requires_grad=False)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for _, t in weights:
+            self.p.data.copy_(t[:32])
+            self.p.data.copy_(t[32:])
+
+
+def test_a_tensor_whose_two_destinations_overlap_is_digested_after_the_writes(tmp_path: Path) -> None:
+    half = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float16)
+    x = np.concatenate([half, half])
+    y = x.copy()
+    y.view(np.uint16)[0, :10] ^= 1  # one half only: the engine cannot hold it
+    for label, table in (("c0", {"w": x}), ("c1", {"w": y})):
+        (tmp_path / label).mkdir()
+        save_file(table, str(tmp_path / label / "model.safetensors"))
+    diff(tmp_path / "c0", tmp_path / "c1", tmp_path / "d", base_version="v0", target_version="v1", workers=1)
+    module = Folded()
+    module.load_weights([("w", torch.from_numpy(x))])
+    receiver = EngineReceiver(module)
+    with pytest.raises(IntegrityError, match="do not hold the target"):
+        receiver.apply(Delta.open(str(tmp_path / "d")))
+    assert receiver.state.version != "v1"
+
+
+def test_a_widened_tensor_is_digested_after_the_writes_and_a_nan_payload_the_cast_changes_is_never_recorded(
     tmp_path: Path,
 ) -> None:
-    x, delta = _versions(tmp_path, {"a": [0, 9]})
-    module, receiver = _engine(x, torch.float32)  # an FP16 checkpoint in an FP32 engine
-    bad = tmp_path / "bad"
-    shutil.copytree(tmp_path / "d", bad)
-    manifest = manifest_v1(bad)
-    manifest["tensors"]["a"]["digest"] = digest_bytes(b"not the target")
-    table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in manifest["tensors"].items()}
-    manifest["target"]["fingerprint"] = fingerprint(table)
-    (bad / MANIFEST_NAME).write_text(json.dumps(manifest))
-    before = module.w.data.clone()
-    with pytest.raises(IntegrityError, match=r"would not hold the target .*nothing was written"):
-        receiver.apply(Delta.open(str(bad)))
-    assert torch.equal(module.w.data, before) and receiver.state.applying is None
-    report = receiver.apply(delta)
-    assert report.status == "applied" and report.predicted == 1
-    assert receiver.verify(delta.manifest.tensors)["mismatched"] == []
+    """An FP16 checkpoint in an FP32 engine: torch's cast quiets a signalling NaN (0x7C01), so the
+    engine cannot hold that target; a target of ordinary values applies, proven after the writes."""
+    x = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float16)
+    y = x.copy()
+    y.view(np.uint16)[3, 5] = 0x7C01
+    z = x.copy()
+    z.view(np.uint16)[3, :40] ^= 1
+    for label, table in (("c0", {"w": x}), ("nan", {"w": y}), ("ok", {"w": z})):
+        (tmp_path / label).mkdir()
+        save_file(table, str(tmp_path / label / "model.safetensors"))
+    for target in ("nan", "ok"):
+        diff(tmp_path / "c0", tmp_path / target, tmp_path / f"d-{target}", base_version="v0", target_version=target)
+    _, receiver = _engine(x, torch.float32)
+    with pytest.raises(IntegrityError):
+        receiver.apply(Delta.open(str(tmp_path / "d-nan")))
+    assert receiver.state.version != "nan"
+    _, fresh = _engine(x, torch.float32)
+    report = fresh.apply(Delta.open(str(tmp_path / "d-ok")))
+    assert report.status == "applied" and report.predicted == 0
+    assert fresh.verify(Delta.open(str(tmp_path / "d-ok")).manifest.tensors)["mismatched"] == []
+
+
+class TwoParams(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.float16), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.float16), requires_grad=False)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for name, t in weights:
+            getattr(self, name).data.copy_(t)
+
+
+def _two_ranks(run: Callable[[int, Callable[[Any], list[Any]]], Any]) -> tuple[list[Any], list[int]]:
+    """``run(rank, exchange)`` on two threads whose exchange is an all-gather; results and exchange counts."""
+    barrier = threading.Barrier(2, timeout=30)
+    slots: list[Any] = [None, None]
+    calls, out = [0, 0], [None, None]
+
+    def exchange_of(rank: int) -> Callable[[Any], list[Any]]:
+        def exchange(obj: Any) -> list[Any]:
+            calls[rank] += 1
+            slots[rank] = obj
+            barrier.wait()
+            got = list(slots)
+            barrier.wait()
+            return got
+
+        return exchange
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = run(rank, exchange_of(rank))
+        except BaseException as exc:  # reported to the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, calls
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_two_ranks_predict_in_step_and_drop_a_stale_staged_pass_together(tmp_path: Path, moved: bool) -> None:
+    """Each rank holds a replica. ``moved``: after prepare, rank 0's parameter gets a new storage
+    (same bits), so its staged pass is stale; both ranks drop theirs and take the same steps."""
+    x, _ = _versions(tmp_path, {"a": [0, 5], "b": []})
+
+    def run(rank: int, exchange: Callable[[Any], list[Any]]) -> tuple[str, int, list[str]]:
+        module = TwoParams()
+        module.load_weights([("a", torch.from_numpy(x)), ("b", torch.from_numpy(x))])
+        receiver = EngineReceiver(module, exchange, rank)
+        step = Delta.open(str(tmp_path / "d"))
+        assert receiver.prepare(step) == "apply"
+        if moved and rank == 0:
+            module.a.data = module.a.data.clone()
+        report = receiver.apply(step)
+        return report.status, report.predicted, receiver.verify(step.manifest.tensors)["mismatched"]
+
+    out, calls = _two_ranks(run)
+    assert out == [("applied", 1, []), ("applied", 1, [])], out
+    assert calls[0] == calls[1]

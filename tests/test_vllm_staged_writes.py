@@ -34,6 +34,18 @@ from dcr_cli.receive.vllm.client import InProcessEngine, apply_to_engine
 pytestmark = pytest.mark.vllm
 
 
+class RecordingPauses(InProcessEngine):
+    """An in-process engine that notes each pause in ``calls``."""
+
+    def __init__(self, llm: object, calls: list[str]) -> None:
+        super().__init__(llm)
+        self.calls = calls
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+        super().pause()
+
+
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return qwen3_run(tmp_path_factory, "qwen3-staged", steps=2)
@@ -55,13 +67,8 @@ def test_a_delta_whose_values_miss_an_items_post_digest_never_pauses_the_engine(
     before = resident_bits(llm)
     calls: list[str] = []
 
-    class Recording(InProcessEngine):
-        def pause(self) -> None:
-            calls.append("pause")
-            super().pause()
-
     with pytest.raises(IntegrityError, match="post digest"):
-        apply_to_engine(Recording(llm), bad)
+        apply_to_engine(RecordingPauses(llm, calls), bad)
     assert calls == []  # never paused
     assert differing(resident_bits(llm), before) == []  # nothing written
     report = apply_to_engine(InProcessEngine(llm), root / "d1")  # the engine is still at its base
@@ -127,13 +134,8 @@ def test_a_resigned_delta_whose_items_miss_its_table_never_reaches_the_weights(
     before = resident_bits(llm)
     calls: list[str] = []
 
-    class Recording(InProcessEngine):
-        def pause(self) -> None:
-            calls.append("pause")
-            super().pause()
-
     with pytest.raises(IntegrityError, match=r"would not hold the target .*nothing was written") as refused:
-        apply_to_engine(Recording(llm), tmp_path / "bad")
+        apply_to_engine(RecordingPauses(llm, calls), tmp_path / "bad")
     assert name in str(refused.value)
     assert calls == []  # never paused
     assert differing(resident_bits(llm), before) == []

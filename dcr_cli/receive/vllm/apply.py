@@ -654,6 +654,7 @@ class EngineReceiver:
             receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
         if first_pass:
             self._first_pass(delta, resuming, skip=skip)
+        self._aliased_names = self._agreed_aliased(delta.manifest.tensors)
         if not resuming:
             started = time.perf_counter()
             self._predicted |= self._predict(delta, {**(skip or {}), **self._prepared})
@@ -682,7 +683,10 @@ class EngineReceiver:
             assert self.state.fingerprint is not None
             return ApplyReport("noop", m.target.version, self.state.fingerprint)
         resuming = mode == "resume"
-        if staged is not None and (staged.resuming != resuming or not self._staged_still_placed(staged)):
+        usable = staged is not None and staged.resuming == resuming and self._staged_still_placed(staged)
+        if not self.single:  # a rank that drops its staged pass takes other steps: all ranks drop it then
+            usable = all(self.exchange(usable))
+        if not usable:
             staged = None
         self._predicted = set(staged.predicted) if staged is not None else set()
         self._aliased_names = set()
@@ -718,10 +722,9 @@ class EngineReceiver:
             # a tensor whose target digest the first pass proved (_predict) has its written
             # elements read back instead.
             names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
-            # Tensors sharing storage with another are digested whole, touched or not (_aliased; a
-            # fresh apply only: a resume digests every touched tensor anyway).
-            if not resuming:
-                names = sorted({*names, *self._aliased_names})
+            # Tensors sharing storage (with another tensor, or two destinations of one) are digested
+            # whole after the writes, touched or not (_aliased).
+            names = sorted({*names, *self._aliased_names})
             t = time.perf_counter()
             if self.single:
                 digests = self._write_and_prove(delta, resuming, prepared, names, predicted, report, phases)
@@ -887,19 +890,21 @@ class EngineReceiver:
         m = delta.manifest
         todo: list[tuple[str, list[tuple[Destination, np.ndarray]], list[Prepared]]] = []
         assembled: list[tuple[str, list[Prepared]]] = []
-        aliased = self._aliased(m.tensors)
-        if not self.single:  # every rank digests the same tensors after the writes (each one exchanges)
-            aliased = set().union(*(set(names) for names in self.exchange(sorted(aliased))))
-        self._aliased_names = aliased
+        aliased = self._aliased_names
         for name, items in _grouped(delta):
             got_all = [prepared.get(k) for k, _ in items]
             kept = [p for p in got_all if p is not None and p.new is not None]
             if name in self._predicted or name in aliased or len(kept) != len(items):
                 continue
-            runs = self._runs(self.placement(name, m.tensors[name])) if all(p.ready for p in kept) else None
+            placement = self.placement(name, m.tensors[name])
+            if _casts(placement):
+                # The write leaves cast(new), which for a NaN payload need not read back as ``new``
+                # (torch's casts quiet signalling NaNs): such a tensor is digested after the writes.
+                continue
+            runs = self._runs(placement) if all(p.ready for p in kept) else None
             if runs is not None:
                 todo.append((name, runs, kept))
-            elif all(p.ready or p.canonical is not None for p in kept):
+            elif all(p.canonical is not None for p in kept):  # not a mix with ready items (they drop it)
                 assembled.append((name, kept))
         if not self.single:  # every rank takes the same tensors, in the same order (each one exchanges)
             agreed = set.intersection(*(set(names) for names in self.exchange([n for n, _ in assembled])))
@@ -923,11 +928,12 @@ class EngineReceiver:
 
     def _aliased(self, table: dict[str, TensorEntry]) -> set[str]:
         """Tensors of ``table`` whose destinations on this rank share storage elements with another
-        tensor's (tied weights that the loader copies both ways into one parameter, say).
+        destination's, of another tensor (tied weights that the loader copies both ways into one
+        parameter, say) or of the same one.
 
-        Such a tensor is never proven by ``_predict`` (another tensor's writes change its bits) and
-        is digested whole after the writes, touched or not. Conservative: a destination counts as
-        the whole range of storage elements it spans, and tensors whose ranges chain into one
+        Such a tensor is never proven by ``_predict`` (other writes change its bits) and is digested
+        whole after the writes, touched or not. Conservative: a destination counts as the whole
+        range of storage elements it spans, and the tensors of ranges that chain into one
         overlapping cluster are all aliased.
         """
         spans: dict[str, list[tuple[int, int, str]]] = {}
@@ -940,18 +946,25 @@ class EngineReceiver:
         aliased: set[str] = set()
         for ranges in spans.values():
             ranges.sort()
-            cluster: set[str] = set()
+            cluster: list[str] = []
             end = -1
             for lo, hi, name in ranges:
                 if lo >= end:  # a new cluster of overlapping ranges
                     if len(cluster) > 1:
-                        aliased |= cluster
-                    cluster, end = set(), hi
-                cluster.add(name)
+                        aliased.update(cluster)
+                    cluster, end = [], hi
+                cluster.append(name)
                 end = max(end, hi)
             if len(cluster) > 1:
-                aliased |= cluster
+                aliased.update(cluster)
         return aliased
+
+    def _agreed_aliased(self, table: dict[str, TensorEntry]) -> set[str]:
+        """``_aliased``, the union over the ranks (every rank then digests the same tensors: each exchanges)."""
+        aliased = self._aliased(table)
+        if self.single:
+            return aliased
+        return set().union(*(set(names) for names in self.exchange(sorted(aliased))))
 
     def _locate_item(self, delta: Delta, item: Item, placement: Placement) -> Prepared:
         """The item decoded (section digest, frames) and located on this rank."""
