@@ -707,7 +707,8 @@ class EngineReceiver:
             phases["first_pass"] = time.perf_counter() - t + (staged.seconds if staged is not None else 0.0)
             if self._predict_seconds:
                 phases["predict"] = phases.get("predict", 0.0) + self._predict_seconds
-            predicted = set(self._predicted)
+            # A staged prediction of a tensor that shares storage now (a parameter rebound since) no longer holds.
+            predicted = set(self._predicted) - self._aliased_names
             self.state.applying = {
                 "delta_id": delta.id,
                 "base": {"version": m.base.version, "fingerprint": m.base.fingerprint},
@@ -874,13 +875,15 @@ class EngineReceiver:
         """A fresh apply, before any write: prove each touched tensor's target digest from the bits
         the engine holds now with the items' new bits in their place.
 
-        For the tensors not proven yet whose items were all kept with their new bits, and whose
-        storage no other tensor of the table shares (``_aliased``: another tensor's writes would
-        change it). On one rank, where the items are ready and the resident runs tile the canonical
-        tensor (``spans``), each tensor is digested in pieces through a scratch copy that stays in
-        cache, on all cores; otherwise (several ranks, widening casts, device memory) the whole
-        tensor is read back from every rank (``read_tensor``) and the new bits put in place at the
-        items' canonical positions. The engine's weights are only read, and it serves meanwhile
+        For the tensors not proven yet whose items were all kept with their new bits, that no
+        destination widens, and whose storage no other destination shares (``_aliased``: other
+        writes would change it). On one rank, where the items are ready and the resident runs tile
+        the canonical tensor (``spans``), each tensor is digested in pieces through a scratch copy
+        that stays in cache, on all cores; where no item is ready (several ranks, device memory,
+        items split over parameters) the whole tensor is read back from every rank
+        (``read_tensor``) and the new bits put in place at the items' canonical positions. Any
+        other tensor (ready and split items mixed, non-contiguous runs) is digested after the writes.
+        The engine's weights are only read, and it serves meanwhile
         where this runs in ``prepare``; after the writes these tensors are not digested again, so
         the pause costs a pass over the changes, not over the model. A tensor whose digest is not
         the target table's refuses the delta here, with nothing written: its items do not lead from
