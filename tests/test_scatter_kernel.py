@@ -14,22 +14,30 @@ from dcr_cli.format.kernels import gather, scatter, scatter_checked
 WIDTHS = [np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    dtype=st.sampled_from(WIDTHS),
-    index_dtype=st.sampled_from([np.int32, np.int64]),
-    size=st.integers(1, 300),
-    data=st.data(),
-)
-def test_scatter_writes_what_numpy_writes(dtype: type, index_dtype: type, size: int, data: st.DataObject) -> None:
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+@st.composite
+def storage_and_writes(draw: st.DrawFn, max_size: int = 300, distinct: bool = False) -> tuple[np.ndarray, ...]:
+    """A 1-D storage of one of WIDTHS, 32- or 64-bit indices into it (sorted or not; ``distinct``: no
+    index twice, else up to twice as many as elements, with repeats) and values for them."""
+    dtype = draw(st.sampled_from(WIDTHS))
+    size = draw(st.integers(1, max_size))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     info = np.iinfo(dtype)
-    out = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
-    count = data.draw(st.integers(0, 2 * size))
-    index = rng.integers(0, size, count).astype(index_dtype)
-    if data.draw(st.booleans()):
+    storage = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
+    if distinct:
+        index = rng.permutation(size)[: draw(st.integers(0, size))]
+    else:
+        index = rng.integers(0, size, draw(st.integers(0, 2 * size)))
+    index = index.astype(draw(st.sampled_from([np.int32, np.int64])))
+    if draw(st.booleans()):
         index = np.sort(index)
-    values = rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+    values = rng.integers(info.min, info.max, index.size, dtype=dtype, endpoint=True)
+    return storage, index, values
+
+
+@settings(max_examples=200, deadline=None)
+@given(storage_and_writes())
+def test_scatter_writes_what_numpy_writes(case: tuple[np.ndarray, ...]) -> None:
+    out, index, values = case
     # Duplicate indices: numpy's assignment keeps the last value, and so does the kernel.
     want = out.copy()
     want[index] = values
@@ -69,22 +77,9 @@ def test_strided_and_read_only_inputs_take_the_compiled_variant() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    dtype=st.sampled_from(WIDTHS),
-    index_dtype=st.sampled_from([np.int32, np.int64]),
-    size=st.integers(1, 20_000),
-    data=st.data(),
-)
-def test_checked_scatter_writes_what_numpy_writes_and_reads_back_distinct_indices(
-    dtype: type, index_dtype: type, size: int, data: st.DataObject
-) -> None:
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    info = np.iinfo(dtype)
-    out = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
-    index = rng.permutation(size)[: data.draw(st.integers(0, size))].astype(index_dtype)  # runs of 4096 and more
-    if data.draw(st.booleans()):
-        index = np.sort(index)
-    values = rng.integers(info.min, info.max, index.size, dtype=dtype, endpoint=True)
+@given(storage_and_writes(max_size=20_000, distinct=True))  # runs of 4096 and more
+def test_checked_scatter_writes_what_numpy_writes_and_reads_back_distinct_indices(case: tuple[np.ndarray, ...]) -> None:
+    out, index, values = case
     want = out.copy()
     want[index] = values
     assert scatter_checked(out, index, values) == 0
@@ -108,18 +103,10 @@ def test_checked_scatter_stops_at_an_index_outside_the_storage(bad: int) -> None
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    dtype=st.sampled_from(WIDTHS),
-    index_dtype=st.sampled_from([np.int32, np.int64]),
-    size=st.integers(1, 300),
-    data=st.data(),
-)
-def test_gather_reads_what_numpy_reads(dtype: type, index_dtype: type, size: int, data: st.DataObject) -> None:
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    info = np.iinfo(dtype)
-    src = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
-    index = rng.integers(0, size, data.draw(st.integers(0, 2 * size))).astype(index_dtype)
-    if data.draw(st.booleans()):
+@given(storage_and_writes(), st.booleans())
+def test_gather_reads_what_numpy_reads(case: tuple[np.ndarray, ...], strided: bool) -> None:
+    src, index, _ = case
+    if strided:
         index = index[::-1]  # a strided view: copied, not a new compiled variant
     got = gather(src, index)
     assert got.dtype == src.dtype and got.tobytes() == src[index].tobytes()
