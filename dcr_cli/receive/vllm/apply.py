@@ -38,6 +38,7 @@ from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .layout import check_resident_layout, mla_derived_params
+from .overlap import Box, box_span, strided_box_self_overlaps, strided_boxes_overlap
 from .placement import (
     TORCH_DTYPES,
     Destination,
@@ -930,36 +931,40 @@ class EngineReceiver:
         return set(got)
 
     def _aliased(self, table: dict[str, TensorEntry]) -> set[str]:
-        """Tensors of ``table`` whose destinations on this rank share storage elements with another
+        """Tensors of ``table`` whose destinations on this rank share a storage element with another
         destination's, of another tensor (tied weights that the loader copies both ways into one
-        parameter, say) or of the same one.
+        parameter, say) or of the same one, or whose own destination folds onto itself.
 
         Such a tensor is never proven by ``_predict`` (other writes change its bits) and is digested
-        whole after the writes, touched or not. Conservative: a destination counts as the whole
-        range of storage elements it spans, and the tensors of ranges that chain into one
-        overlapping cluster are all aliased.
+        whole after the writes, touched or not. Candidate pairs are the destinations of one
+        parameter whose spans overlap (a sweep over the spans by start); each pair is then tested
+        exactly as two strided boxes (``strided_boxes_overlap``), so views that interleave without
+        sharing an element (the two transposed halves of stacked experts, a weight fused along dim 1)
+        are not aliased. Conservative where that test runs out of its budget.
         """
-        spans: dict[str, list[tuple[int, int, str]]] = {}
+        spans: dict[str, list[tuple[int, int, str, Box]]] = {}
+        aliased: set[str] = set()
         for name in table:
             placement = self._placements.get(name)
             for d in placement.destinations if placement is not None else ():
-                if d.numel:
-                    last = d.dst_offset + sum((n - 1) * st for n, st in zip(d.dst_size, d.dst_stride, strict=True))
-                    spans.setdefault(d.param, []).append((min(d.dst_offset, last), max(d.dst_offset, last) + 1, name))
-        aliased: set[str] = set()
+                box = (d.dst_offset, d.dst_size, d.dst_stride)
+                span = box_span(box)
+                if span is None:
+                    continue
+                if strided_box_self_overlaps(box):
+                    aliased.add(name)
+                spans.setdefault(d.param, []).append((*span, name, box))
         for ranges in spans.values():
-            ranges.sort()
-            cluster: list[str] = []
-            end = -1
-            for lo, hi, name in ranges:
-                if lo >= end:  # a new cluster of overlapping ranges
-                    if len(cluster) > 1:
-                        aliased.update(cluster)
-                    cluster, end = [], hi
-                cluster.append(name)
-                end = max(end, hi)
-            if len(cluster) > 1:
-                aliased.update(cluster)
+            ranges.sort(key=lambda r: (r[0], r[1]))
+            active: list[tuple[int, int, str, Box]] = []  # spans still open at ``lo``
+            for lo, hi, name, box in ranges:
+                active = [r for r in active if r[1] > lo]
+                for _, _, other, other_box in active:
+                    if {name, other} <= aliased:
+                        continue
+                    if strided_boxes_overlap(other_box, box):
+                        aliased.update((name, other))
+                active.append((lo, hi, name, box))
         return aliased
 
     def _agreed_aliased(self, table: dict[str, TensorEntry]) -> set[str]:
