@@ -212,3 +212,24 @@ def test_a_tensor_whose_overlay_exceeds_the_first_pass_budget_is_read_back_whole
     assert kinds == {("experts.gate_up_proj", False), ("experts.down_proj", True)}
     assert report.predicted == 1 and digested == ["experts.down_proj"]
     assert held == want
+
+
+class OverlappingHalves(StackedExperts):
+    """The up half copied one row too high: its first row is the gate half's last (a loader bug, or a
+    layout dcr cannot hold): the two strided views share elements, so the tensor is aliased."""
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for name, t in weights:
+            if name == "experts.gate_up_proj":
+                self.w13.data[:, :INTER].copy_(t[..., :INTER].transpose(1, 2))
+                self.w13.data[:, INTER - 1 : 2 * INTER - 1].copy_(t[..., INTER:].transpose(1, 2))
+            else:
+                self.w2.data.copy_(t.transpose(1, 2))
+
+
+def test_strided_views_that_share_an_element_are_still_aliased() -> None:
+    table = {n: TensorEntry("F16", shape, digest_bytes(b"")) for n, shape in EXPERTS.items()}
+    for make, aliased in ((StackedExperts, set()), (OverlappingHalves, {"experts.gate_up_proj"})):
+        receiver = EngineReceiver(make())
+        receiver.trace_all(table)
+        assert receiver._aliased(table) == aliased, make.__name__
