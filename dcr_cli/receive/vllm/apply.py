@@ -38,6 +38,7 @@ from ...format.manifest import Item, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .layout import check_resident_layout, mla_derived_params
+from .overlap import Box, box_span, strided_box_self_overlaps, strided_boxes_overlap
 from .placement import (
     TORCH_DTYPES,
     Destination,
@@ -462,24 +463,8 @@ class EngineReceiver:
         """
         placement = self.placement(name, entry)
         resident = self.resident()
-        local = []
-        for dest in placement.destinations:
-            flat = flat_storage(resident[dest.param])
-            held = torch.as_strided(flat, dest.dst_size, dest.dst_stride, dest.dst_offset)
-            local.append((dest, _to_canonical(held, dest, placement.dtype).cpu().contiguous()))
-        out = torch.zeros(placement.numel, dtype=int_dtype(placement.dtype))
-        seen = torch.zeros(placement.numel, dtype=torch.bool)
-        for rank_pieces in self.exchange(local):
-            for dest, held in rank_pieces:
-                out_view = torch.as_strided(out, dest.src_size, dest.src_stride, dest.src_offset)
-                seen_view = torch.as_strided(seen, dest.src_size, dest.src_stride, dest.src_offset)
-                if bool(seen_view.any()) and not torch.equal(out_view[seen_view], held[seen_view]):
-                    raise IntegrityError(f"{name}: the engine's replicas of this tensor hold different bits")
-                out_view.copy_(held)
-                seen_view.fill_(True)
-        if not bool(seen.all()):
-            raise IncompatibleError(f"{name}: {int((~seen).sum())} elements are held by no rank of this engine")
-        return _as_uint(out)
+        local = _held_pieces(placement, {d.param: (flat_storage(resident[d.param]), 0) for d in placement.destinations})
+        return _canonical_of(placement, self.exchange(local))
 
     # ------------------------------------------------------------------ version
 
@@ -876,13 +861,18 @@ class EngineReceiver:
         the engine holds now with the items' new bits in their place.
 
         For the tensors not proven yet whose items were all kept with their new bits, that no
-        destination widens, and whose storage no other destination shares (``_aliased``: other
-        writes would change it). On one rank, where the items are ready and the resident runs tile
-        the canonical tensor (``spans``), each tensor is digested in pieces through a scratch copy
-        that stays in cache, on all cores; where no item is ready (several ranks, device memory,
-        items split over parameters) the whole tensor is read back from every rank
-        (``read_tensor``) and the new bits put in place at the items' canonical positions. Any
-        other tensor (ready and split items mixed, non-contiguous runs) is digested after the writes.
+        destination widens, and whose destinations share no storage element with another
+        destination (``_aliased``: other writes would change them). On one rank, where the items are
+        ready and the resident runs tile the canonical tensor (``spans``), each tensor is digested in
+        pieces through a scratch copy that stays in cache, on all cores. On one rank in CPU memory,
+        for any other layout (strided or transposed destinations, items split over parameters, ready
+        and split items mixed), the storage each parameter's destinations span is copied once, the
+        items' new bits are scattered there at their storage indices and the tensor is read out of
+        the copies through its destinations and digested (``_overlaid_in_storage``), for tensors
+        whose copies fit the first pass's budget (PREPARED_BYTES, less what the kept items hold).
+        Otherwise (several ranks, device memory, a tensor over that budget) where no item is ready,
+        the whole tensor is read back from every rank (``read_tensor``) and the new bits put in
+        place at the items' canonical positions; any other tensor is digested after the writes.
         The engine's weights are only read, and it serves meanwhile
         where this runs in ``prepare``; after the writes these tensors are not digested again, so
         the pause costs a pass over the changes, not over the model. A tensor whose digest is not
@@ -891,7 +881,9 @@ class EngineReceiver:
         say). Returns the tensors proven.
         """
         m = delta.manifest
+        resident = self.resident()
         todo: list[tuple[str, list[tuple[Destination, np.ndarray]], list[Prepared]]] = []
+        overlaid: list[tuple[str, Placement, list[Prepared]]] = []
         assembled: list[tuple[str, list[Prepared]]] = []
         aliased = self._aliased_names
         for name, items in _grouped(delta):
@@ -907,8 +899,27 @@ class EngineReceiver:
             runs = self._runs(placement) if all(p.ready for p in kept) else None
             if runs is not None:
                 todo.append((name, runs, kept))
+            elif self.single and all(resident[d.param].device.type == "cpu" for d in placement.destinations):
+                overlaid.append((name, placement, kept))
             elif all(p.canonical is not None for p in kept):  # not a mix with ready items (they drop it)
                 assembled.append((name, kept))
+        # Overlaid in storage within the first pass's budget, less what the kept items hold (in
+        # batches whose copies fit it together); a larger tensor is predicted as before where its items
+        # kept their canonical positions (read back whole), else digested after the writes.
+        room = PREPARED_BYTES - sum(p.nbytes for p in prepared.values())
+        batches: list[list[tuple[str, Placement, list[Prepared]]]] = []
+        held = 0
+        for name, placement, kept in sorted(overlaid, key=lambda t: -_overlay_bytes(t[1])):
+            cost = _overlay_bytes(placement)
+            if cost > room:
+                if all(p.canonical is not None for p in kept):
+                    assembled.append((name, kept))
+                continue
+            if not batches or held + cost > room:
+                batches.append([])
+                held = 0
+            batches[-1].append((name, placement, kept))
+            held += cost
         if not self.single:  # every rank takes the same tensors, in the same order (each one exchanges)
             agreed = set.intersection(*(set(names) for names in self.exchange([n for n, _ in assembled])))
             assembled = [(n, kept) for n, kept in assembled if n in agreed]
@@ -918,6 +929,13 @@ class EngineReceiver:
 
         todo.sort(key=lambda t: -sum(run.nbytes for _, run in t[1]))  # largest first (see _first_pass)
         got = dict(ordered_parallel((task(*t) for t in todo), default_workers()))
+        flats = {d.param: flat_storage(resident[d.param]) for _, p, _ in overlaid for d in p.destinations}
+
+        def overlay(name: str, placement: Placement, kept: list[Prepared]) -> Callable[[], tuple[str, str]]:
+            return lambda: (name, _overlaid_in_storage(placement, flats, kept))
+
+        for batch in batches:
+            got.update(ordered_parallel((overlay(*t) for t in batch), default_workers()))
         for name, kept in assembled:  # the whole tensor, from every rank, with the new bits in place
             whole = self.read_tensor(name, m.tensors[name])
             for p in kept:
@@ -930,36 +948,40 @@ class EngineReceiver:
         return set(got)
 
     def _aliased(self, table: dict[str, TensorEntry]) -> set[str]:
-        """Tensors of ``table`` whose destinations on this rank share storage elements with another
+        """Tensors of ``table`` whose destinations on this rank share a storage element with another
         destination's, of another tensor (tied weights that the loader copies both ways into one
-        parameter, say) or of the same one.
+        parameter, say) or of the same one, or whose own destination folds onto itself.
 
         Such a tensor is never proven by ``_predict`` (other writes change its bits) and is digested
-        whole after the writes, touched or not. Conservative: a destination counts as the whole
-        range of storage elements it spans, and the tensors of ranges that chain into one
-        overlapping cluster are all aliased.
+        whole after the writes, touched or not. Candidate pairs are the destinations of one
+        parameter whose spans overlap (a sweep over the spans by start); each pair is then tested
+        exactly as two strided boxes (``strided_boxes_overlap``), so views that interleave without
+        sharing an element (the two transposed halves of stacked experts, a weight fused along dim 1)
+        are not aliased. Conservative where that test runs out of its budget.
         """
-        spans: dict[str, list[tuple[int, int, str]]] = {}
+        spans: dict[str, list[tuple[int, int, str, Box]]] = {}
+        aliased: set[str] = set()
         for name in table:
             placement = self._placements.get(name)
             for d in placement.destinations if placement is not None else ():
-                if d.numel:
-                    last = d.dst_offset + sum((n - 1) * st for n, st in zip(d.dst_size, d.dst_stride, strict=True))
-                    spans.setdefault(d.param, []).append((min(d.dst_offset, last), max(d.dst_offset, last) + 1, name))
-        aliased: set[str] = set()
+                box = (d.dst_offset, d.dst_size, d.dst_stride)
+                span = box_span(box)
+                if span is None:
+                    continue
+                if strided_box_self_overlaps(box):
+                    aliased.add(name)
+                spans.setdefault(d.param, []).append((*span, name, box))
         for ranges in spans.values():
-            ranges.sort()
-            cluster: list[str] = []
-            end = -1
-            for lo, hi, name in ranges:
-                if lo >= end:  # a new cluster of overlapping ranges
-                    if len(cluster) > 1:
-                        aliased.update(cluster)
-                    cluster, end = [], hi
-                cluster.append(name)
-                end = max(end, hi)
-            if len(cluster) > 1:
-                aliased.update(cluster)
+            ranges.sort(key=lambda r: (r[0], r[1]))
+            active: list[tuple[int, int, str, Box]] = []  # spans still open at ``lo``
+            for lo, hi, name, box in ranges:
+                active = [r for r in active if r[1] > lo]
+                for _, _, other, other_box in active:
+                    if {name, other} <= aliased:
+                        continue
+                    if strided_boxes_overlap(other_box, box):
+                        aliased.update((name, other))
+                active.append((lo, hi, name, box))
         return aliased
 
     def _agreed_aliased(self, table: dict[str, TensorEntry]) -> set[str]:
@@ -1058,6 +1080,80 @@ class EngineReceiver:
         digests = self.agree(lambda: self.digests(held))  # several ranks exchange per tensor: fail together
         mismatched = [name for name, entry in sorted(table.items()) if digests[name] != entry.digest]
         return {"tensors": len(table), "mismatched": mismatched, "fingerprint": fingerprint(table)}
+
+
+def _held_pieces(
+    placement: Placement, storages: dict[str, tuple[torch.Tensor, int]]
+) -> list[tuple[Destination, torch.Tensor]]:
+    """Each destination's elements (canonical dtype, CPU, in the view's C order), read from
+    ``storages``: param -> (its storage as integers, or a copy of part of it, and the storage index
+    of that part's first element)."""
+    local = []
+    for dest in placement.destinations:
+        flat, start = storages[dest.param]
+        held = torch.as_strided(flat, dest.dst_size, dest.dst_stride, dest.dst_offset - start)
+        local.append((dest, _to_canonical(held, dest, placement.dtype).cpu().contiguous()))
+    return local
+
+
+def _canonical_of(placement: Placement, ranks: list[list[tuple[Destination, torch.Tensor]]]) -> np.ndarray:
+    """The canonical tensor (C order, unsigned view) from every rank's ``_held_pieces``: each copied
+    into the matching view of a canonical buffer (integer dtype, so bit for bit); replicas must agree."""
+    name = placement.name
+    out = torch.zeros(placement.numel, dtype=int_dtype(placement.dtype))
+    seen = torch.zeros(placement.numel, dtype=torch.bool)
+    for rank_pieces in ranks:
+        for dest, held in rank_pieces:
+            out_view = torch.as_strided(out, dest.src_size, dest.src_stride, dest.src_offset)
+            seen_view = torch.as_strided(seen, dest.src_size, dest.src_stride, dest.src_offset)
+            if bool(seen_view.any()) and not torch.equal(out_view[seen_view], held[seen_view]):
+                raise IntegrityError(f"{name}: the engine's replicas of this tensor hold different bits")
+            out_view.copy_(held)
+            seen_view.fill_(True)
+    if not bool(seen.all()):
+        raise IncompatibleError(f"{name}: {int((~seen).sum())} elements are held by no rank of this engine")
+    return _as_uint(out)
+
+
+def _spanned(placement: Placement) -> dict[str, tuple[int, int]]:
+    """Per parameter, ``[lo, hi)`` of the storage elements the tensor's destinations there span."""
+    regions: dict[str, tuple[int, int]] = {}
+    for dest in placement.destinations:
+        span = box_span((dest.dst_offset, dest.dst_size, dest.dst_stride))
+        if span is not None:
+            lo, hi = regions.get(dest.param, span)
+            regions[dest.param] = (min(lo, span[0]), max(hi, span[1]))
+    return regions
+
+
+def _overlay_bytes(placement: Placement) -> int:
+    """Memory ``_overlaid_in_storage`` takes for ``placement``: the spanned storage copied, the pieces
+    read out of it, the canonical buffer and its bool mask."""
+    spanned = sum(hi - lo for lo, hi in _spanned(placement).values())
+    return (spanned + 2 * placement.numel) * placement.dtype.itemsize + placement.numel
+
+
+def _overlaid_in_storage(placement: Placement, flats: dict[str, torch.Tensor], kept: list[Prepared]) -> str:
+    """Digest of the canonical tensor as it will be once its kept items are written, for any layout
+    on one rank without a cast (strided or transposed destinations, items split over parameters,
+    ready and split items mixed): each parameter's spanned storage copied once, every item's new
+    bits scattered at its storage indices there (per destination), the tensor read out of the copies
+    through its destinations (as ``read_tensor`` reads it) and digested. Reads the weights only.
+
+    Exact because no destination of the tensor shares an element with another destination
+    (``_aliased``): what other tensors' writes change in the copies is never read back.
+    """
+    regions = _spanned(placement)
+    copies = {param: flats[param][lo:hi].clone() for param, (lo, hi) in regions.items()}
+    for p in kept:
+        assert p.new is not None
+        for at in p.located:
+            lo = regions[at.dest.param][0]
+            copy = copies[at.dest.param].numpy()
+            new = p.new if p.ready else np.ascontiguousarray(p.new[at.hit])
+            scatter(copy, at.index - lo, new.view(copy.dtype))
+    pieces = _held_pieces(placement, {param: (copies[param], lo) for param, (lo, _) in regions.items()})
+    return digest_bytes(_canonical_of(placement, [pieces]))
 
 
 def _storage_groups(params: dict[str, list[str]]) -> list[list[str]]:
