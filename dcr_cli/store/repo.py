@@ -38,7 +38,6 @@ from ..format.store_records import (
     COMPLETE,
     MARKER,
     MAX_RECORD_BYTES,
-    SHORTCUTS,
     STORE_FORMAT,
     STORE_MAJOR,
     STORE_MINOR,
@@ -46,6 +45,7 @@ from ..format.store_records import (
     VERSIONS,
     is_label,
     parse_record,
+    redo_shortcut,
 )
 from ..format.store_records import LABEL as _LABEL
 from ..format.strict_json import load_json
@@ -544,7 +544,7 @@ class Store:
 
         rel = f"{MANIFESTS}/{record.manifest}.json"
         # A shortcut is derived data: compact makes it anew once its record is gone (store-v1 §6.2, §6.4).
-        fix = f"; {redo_shortcut(self.url, record)}" if shortcut else ""
+        fix = f"; {redo_shortcut(self.url, record.base.version, record.version)}" if shortcut else ""
         try:
             raw = self.read(rel, limit=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
@@ -559,15 +559,6 @@ class Store:
 def record_name(record: VersionRecord, shortcut: bool = False) -> str:
     """How a message names a record: "version 'v4'", or "shortcut v0..v4" (a squashed delta, store-v1 §6.2)."""
     return f"shortcut {record.base.version}..{record.version}" if shortcut else f"version {record.version!r}"
-
-
-def redo_shortcut(url: str, record: VersionRecord) -> str:
-    """The fix for a shortcut whose manifest or blocks are lost or damaged. dcr push cannot restore it (dcr
-    compact wrote it), and dcr compact keeps a shortcut whose record is there: the record goes first."""
-    return (
-        f"remove {SHORTCUTS}/{record.base.version}/{record.version}.json from {url} and publish it anew with "
-        f"dcr compact {url} --every K"
-    )
 
 
 class StoreBlockSource(BlockSource):
@@ -597,7 +588,7 @@ class StoreBlockSource(BlockSource):
         if record is not None and repairs_promised:  # a shortcut's: dcr push cannot restore it
             self.damaged_advice = (
                 f"the store's copy is damaged (dcr check {store.url} --read-data lists every damaged object): "
-                f"{redo_shortcut(store.url, record)}, then re-run"
+                f"{redo_shortcut(store.url, record.base.version, record.version)}, then re-run"
             )
 
     def call(self, fn: Callable[[], T], what: str) -> T:
@@ -618,7 +609,11 @@ class StoreBlockSource(BlockSource):
         promised = self.repairs_promised or record.minor < 1 or self.store.exists(f"{COMPLETE}/{record.version}")
         if promised:
             url = self.store.url
-            fix = redo_shortcut(url, record) if self.repairs_promised else f"restore it with dcr push DELTA {url}"
+            fix = (
+                redo_shortcut(url, record.base.version, record.version)
+                if self.repairs_promised
+                else f"restore it with dcr push DELTA {url}"
+            )
             return IntegrityError(
                 f"{what}; {url} lost it although {record_name(record, self.repairs_promised)} is complete there: "
                 f"{fix}, then re-run"
