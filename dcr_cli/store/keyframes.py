@@ -717,7 +717,7 @@ class Plan:
     chain_bytes: int | None  # the plain chain's bytes (None: no chain from the receiver's version)
     keyframe_bytes: int | None  # the cheapest keyframe route's bytes, if any
     chain_gone: str = ""  # what describe() says when a receiver has a version but no plain chain reaches the target
-    skipped: list[str] = field(default_factory=list)  # "base->target" of shortcuts left out: a data block is missing
+    skipped: list[str] = field(default_factory=list)  # "base..target" of shortcuts left out: a data block is missing
     damaged: list[str] = field(default_factory=list)  # "base..target" of shortcut records that do not parse
 
     @property
@@ -726,7 +726,7 @@ class Plan:
 
     def describe(self) -> str:
         parts = [
-            f"{s.kind} {s.target}" if s.kind == "keyframe" else f"{s.kind} {s.base}->{s.target}" for s in self.steps
+            f"{s.kind} {s.target}" if s.kind == "keyframe" else f"{s.kind} {s.base}..{s.target}" for s in self.steps
         ]
         alt = [f"chain {self.chain_bytes} B" if self.chain_bytes is not None else self.chain_gone, ""]
         if self.keyframe_bytes is not None:
@@ -839,7 +839,7 @@ def plan(
         broken = [s for s in min(chosen, key=lambda r: r[0])[1] if s.kind == "shortcut" and not _present(store, s)]
         if not broken:
             break
-        skipped.extend(f"{s.base}->{s.target}" for s in broken)
+        skipped.extend(f"{s.base}..{s.target}" for s in broken)
         edges = [e for e in edges if e not in broken]
     chain_only = None
     if since is not None:
@@ -987,7 +987,7 @@ def open_plan(url: str, the_plan: Plan, *, storage_options: dict[str, Any] | Non
     for s in the_plan.steps:
         if s.kind == "keyframe" or s.record is None:
             raise DcrError("a keyframe replaces the checkpoint; join with dcr pull --join instead")
-        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}->{s.target}", shortcut=s.kind == "shortcut"))
+        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}..{s.target}", shortcut=s.kind == "shortcut"))
     return out
 
 

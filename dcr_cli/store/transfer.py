@@ -644,7 +644,7 @@ def _pull_record(
     digests match, and put in its place only once verified: a failed fetch leaves it as it was. A directory
     that is no such delta, a file, a link, is never replaced (it may be the user's)."""
     shortcut = kind == "shortcut"
-    what = f"shortcut {record.base.version}->{record.version}" if shortcut else f"version {record.version!r}"
+    what = record_name(record, shortcut)
     raw = store.manifest_bytes(record, shortcut=shortcut)  # checked against the digest in the version record
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
