@@ -518,17 +518,36 @@ def _fetch_keyframe(store: Store, url: str, frame: KeyframeRecord, partial: Path
                 os.fsync(dst.fileno())
         except FileNotFoundError:
             local.unlink(missing_ok=True)
-            raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
+            raise IntegrityError(
+                f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?); {republish_keyframe(url, frame)}, "
+                "then re-run"
+            ) from None
         except IntegrityError:
             local.unlink(missing_ok=True)
             raise IntegrityError(
                 f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store (its size or BLAKE3 is "
-                "not its record's)"
+                f"not its record's); {republish_keyframe(url, frame, f)}, then re-run"
             ) from None
     if checkpoint_fingerprint(partial) != frame.fingerprint:
         for f in frame.files:  # each file is as recorded, the record is wrong: nothing here is worth resuming
             (partial / f.name).unlink()
-        raise IntegrityError(f"{url}: keyframe {frame.version} does not hold its recorded fingerprint")
+        raise IntegrityError(
+            f"{url}: keyframe {frame.version} does not hold its recorded fingerprint; "
+            f"{republish_keyframe(url, frame)}, then re-run"
+        )
+
+
+def republish_keyframe(url: str, frame: KeyframeRecord, damaged: KeyframeFile | None = None) -> str:
+    """The fix for a keyframe a join cannot use: publishing stops at a record that is there (store-v1 §6.1
+    step 2), so the record goes first; a damaged file goes too, since a publish keeps an object of the
+    right size written in the last 15 minutes (step 3). Only the producer holds the checkpoint."""
+    objects = [f"{KEYFRAMES}/{frame.version}.json"]
+    if damaged is not None:
+        objects.append(keyframe_object(frame.version, damaged))
+    return (
+        f"remove {' and '.join(objects)} from {url} and publish it anew with dcr compact {url} --keyframe "
+        f"CHECKPOINT --version {frame.version} (CHECKPOINT: the checkpoint of {frame.version})"
+    )
 
 
 # -- shortcuts ---------------------------------------------------------------------------------------------------------

@@ -543,17 +543,40 @@ class Store:
         from ..format.manifest import MAX_MANIFEST_BYTES
 
         rel = f"{MANIFESTS}/{record.manifest}.json"
-        # A shortcut is derived data: compact makes it anew once its record is gone (store-v1 §6.2, §6.4).
-        fix = f"; {redo_shortcut(self.url, record.base.version, record.version)}" if shortcut else ""
         try:
             raw = self.read(rel, limit=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise DcrError(
-                f"{self.url}: the manifest of {record_name(record, shortcut)} is gone (removed by dcr gc?){fix}"
+                f"{self.url}: the manifest of {record_name(record, shortcut)} is gone (removed by dcr gc?); "
+                f"{self._manifest_fix(record, shortcut, damaged=False)}"
             ) from None
         if digest_bytes(raw) != record.manifest:
-            raise IntegrityError(f"{self.url}/{rel}: manifest of {record_name(record, shortcut)} is corrupt{fix}")
+            raise IntegrityError(
+                f"{self.url}/{rel}: manifest of {record_name(record, shortcut)} is corrupt; "
+                f"{self._manifest_fix(record, shortcut, damaged=True)}"
+            )
         return raw
+
+    def _manifest_fix(self, record: VersionRecord, shortcut: bool, *, damaged: bool) -> str:
+        """What restores a version's (or shortcut's) manifest that is gone or damaged on this store.
+
+        A shortcut is derived data: compact makes it anew once its record is gone (store-v1 §6.2, §6.4). A
+        version's is restored by a re-run of its push (§4.1 step 2: the manifest if absent, with
+        --verify-remote one that fails its digest). Without that delta, a committed version is passed by
+        a keyframe of the head, which a receiver joins (§6.1, §6.3); a pending one has no such way round."""
+        if shortcut:
+            return redo_shortcut(self.url, record.base.version, record.version)
+        verify = " --verify-remote" if damaged else ""
+        fix = f"restore it with dcr push DELTA {self.url}{verify} (DELTA: the delta of {record.version!r})"
+        committed = False
+        with contextlib.suppress(DcrError, OSError):  # the question only shapes the advice
+            committed = self.is_committed(record.version)
+        if committed:
+            fix += (
+                f"; without that delta, publish a keyframe of the head (dcr compact {self.url} --keyframe "
+                f"CHECKPOINT) and join from it (dcr pull {self.url} --join -o DIR)"
+            )
+        return fix
 
 
 def record_name(record: VersionRecord, shortcut: bool = False) -> str:
