@@ -15,7 +15,7 @@ import pytest
 from store_fixtures import commit_each, make_deltas, one_error_line, run_dcr
 
 from dcr_cli.format.digest import digest_bytes
-from dcr_cli.store import Store, push
+from dcr_cli.store import Store, check, push
 from dcr_cli.store.keyframes import KEYFRAMES, publish_keyframe
 
 
@@ -203,3 +203,88 @@ def test_a_join_of_a_keyframe_of_other_bits_names_the_republish(tmp_path: Path) 
 
     rel.unlink()
     _republish_and_join(tmp_path, url, ckpts[3])
+
+
+# -- a record that names a manifest of other states --------------------------------------------------------------------
+
+
+def _point_at(record_path: Path, url: str, other: str) -> None:
+    """Make the record at ``record_path`` name version ``other``'s manifest (its digest is right, its states not)."""
+    theirs = Store(url).require_version(other)
+    record = json.loads(record_path.read_bytes())
+    record.update(manifest=theirs.manifest, manifest_bytes=theirs.manifest_bytes)
+    record_path.write_text(json.dumps(record))
+
+
+def test_a_pending_versions_record_of_another_manifest_names_its_republish(tmp_path: Path) -> None:
+    _ckpts, deltas = make_deltas(tmp_path, 3)
+    url = str(tmp_path / "store")
+    commit_each(url, deltas[:2])
+    push(deltas[2], url)  # v3 pending
+    _point_at(Path(url) / "versions" / "v3.json", url, "v2")
+
+    pull = ("pull", url, "-o", str(tmp_path / "p"))
+    failed = run_dcr(*pull)
+    line = one_error_line(failed)
+    assert failed.returncode == 2, failed.stderr
+    assert line.endswith(
+        f"manifest of version 'v3' does not match its record; remove versions/v3.json from {url} and publish it "
+        f"anew with dcr push DELTA {url} (DELTA: the delta of 'v3')"
+    ), line
+    _nothing_written(tmp_path, "p")
+    found = [p for p in check(url).problems if "does not match its version record" in p]  # dcr check says it too
+    assert len(found) == 1 and found[0].endswith(line.split("does not match its record", 1)[1]), found
+
+    (Path(url) / "versions" / "v3.json").unlink()
+    assert run_dcr("push", str(deltas[2]), url).returncode == 0
+    again = run_dcr(*pull)
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_shortcut_record_of_another_manifest_names_the_shortcut_fix(tmp_path: Path) -> None:
+    from dcr_cli.store.keyframes import compact
+
+    ckpts, deltas = make_deltas(tmp_path, 4)
+    url = str(tmp_path / "store")
+    commit_each(url, deltas)
+    publish_keyframe(url, ckpts[1], version="v1")
+    assert compact(url, every=2).published == ["v1..v3"]
+    _point_at(Path(url) / "shortcuts" / "v1" / "v3.json", url, "v2")
+
+    pull = ("pull", url, "--since", "v1", "-o", str(tmp_path / "p"))
+    failed = run_dcr(*pull)
+    line = one_error_line(failed)
+    assert failed.returncode == 2, failed.stderr
+    assert line.endswith(
+        f"manifest of shortcut v1..v3 does not match its record; remove shortcuts/v1/v3.json from {url} and "
+        f"publish it anew with dcr compact {url} --every K"
+    ), line
+    assert not (tmp_path / "p" / "shortcut-v1-v3").exists()
+
+    (Path(url) / "shortcuts" / "v1" / "v3.json").unlink()
+    assert run_dcr("compact", url, "--every", "2").returncode == 0
+    again = run_dcr(*pull)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "p" / "shortcut-v1-v3" / "manifest.json").is_file()
+
+
+def test_a_committed_versions_record_of_another_manifest_names_the_keyframe_way_round(tmp_path: Path) -> None:
+    ckpts, deltas = make_deltas(tmp_path, 3)
+    url = str(tmp_path / "store")
+    commit_each(url, deltas)
+    _point_at(Path(url) / "versions" / "v2.json", url, "v1")
+
+    failed = run_dcr("pull", url, "--version", "v2", "-o", str(tmp_path / "p"))
+    line = one_error_line(failed)
+    assert failed.returncode == 2, failed.stderr
+    assert line.endswith(
+        "manifest of version 'v2' does not match its record; a committed version's record cannot be published "
+        f"again: publish a keyframe of the head (dcr compact {url} --keyframe CHECKPOINT) and join from it "
+        f"(dcr pull {url} --join -o DIR)"
+    ), line
+    _nothing_written(tmp_path, "p")
+
+    assert run_dcr("compact", url, "--keyframe", str(ckpts[3])).returncode == 0
+    joined = run_dcr("pull", url, "--join", "-o", str(tmp_path / "j"))
+    assert joined.returncode == 0, joined.stderr
+    assert (tmp_path / "j" / "model.safetensors").read_bytes() == (ckpts[3] / "model.safetensors").read_bytes()

@@ -562,21 +562,41 @@ class Store:
 
         A shortcut is derived data: compact makes it anew once its record is gone (store-v1 §6.2, §6.4). A
         version's is restored by a re-run of its push (§4.1 step 2: the manifest if absent, with
-        --verify-remote one that fails its digest). Without that delta, a committed version is passed by
-        a keyframe of the head, which a receiver joins (§6.1, §6.3); a pending one has no such way round."""
+        --verify-remote one that fails its digest); without that delta, see :meth:`_way_round`."""
         if shortcut:
             return redo_shortcut(self.url, record.base.version, record.version)
         verify = " --verify-remote" if damaged else ""
         fix = f"restore it with dcr push DELTA {self.url}{verify} (DELTA: the delta of {record.version!r})"
+        way_round = self._way_round(record)
+        return f"{fix}; without that delta, {way_round}" if way_round else fix
+
+    def record_fix(self, record: VersionRecord, shortcut: bool = False) -> str:
+        """What fixes a record that names a manifest of other states (the manifest has the record's digest, so
+        the record is wrong). A shortcut's, as :meth:`_manifest_fix`; a pending version's record goes and its
+        push publishes it anew (§4.1); a committed one's cannot (the commit record names it, and a push
+        builds on the head): see :meth:`_way_round`."""
+        if shortcut:
+            return redo_shortcut(self.url, record.base.version, record.version)
+        way_round = self._way_round(record)
+        if way_round:
+            return f"a committed version's record cannot be published again: {way_round}"
+        return (
+            f"remove {VERSIONS}/{record.version}.json from {self.url} and publish it anew with dcr push DELTA "
+            f"{self.url} (DELTA: the delta of {record.version!r})"
+        )
+
+    def _way_round(self, record: VersionRecord) -> str:
+        """For a committed version whose delta cannot be had: a keyframe of the head, which a receiver with no
+        state joins (store-v1 §6.1, §6.3); "" for a pending one (a keyframe holds a committed state)."""
         committed = False
         with contextlib.suppress(DcrError, OSError):  # the question only shapes the advice
             committed = self.is_committed(record.version)
-        if committed:
-            fix += (
-                f"; without that delta, publish a keyframe of the head (dcr compact {self.url} --keyframe "
-                f"CHECKPOINT) and join from it (dcr pull {self.url} --join -o DIR)"
-            )
-        return fix
+        if not committed:
+            return ""
+        return (
+            f"publish a keyframe of the head (dcr compact {self.url} --keyframe CHECKPOINT) and join from it "
+            f"(dcr pull {self.url} --join -o DIR)"
+        )
 
 
 def record_name(record: VersionRecord, shortcut: bool = False) -> str:

@@ -649,7 +649,9 @@ def _pull_record(
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
-        raise IntegrityError(f"{store.url}: manifest of {what} does not match its record")
+        raise IntegrityError(
+            f"{store.url}: manifest of {what} does not match its record; {store.record_fix(record, shortcut)}"
+        )
     roles = ("data", "repair") if repair else ("data",)
     wanted = list({b.id: b for b in manifest.blocks if b.role in roles}.values())
 
@@ -909,7 +911,10 @@ def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bo
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
-        raise IntegrityError(f"{store.url}: manifest of {record_name(record, shortcut)} does not match its record")
+        raise IntegrityError(
+            f"{store.url}: manifest of {record_name(record, shortcut)} does not match its record; "
+            f"{store.record_fix(record, shortcut)}"
+        )
     rel = f"{STORE_MANIFESTS}/{record.manifest}.json"
     return Delta(
         store.path(rel) if "://" not in store.url else f"{store.url.rstrip('/')}/{rel}",
