@@ -29,6 +29,24 @@ def _manifest(url: str, version: str) -> Path:
     return Path(url) / "manifests" / f"{record.manifest}.json"
 
 
+def _store(tmp: Path, steps: int = 3, *, pending: bool = False) -> tuple[str, list[Path], list[Path]]:
+    """A local store with v1..vN committed (with ``pending``, vN only published); (url, checkpoints, deltas)."""
+    ckpts, deltas = make_deltas(tmp, steps)
+    url = str(tmp / "store")
+    commit_each(url, deltas[:-1] if pending else deltas)
+    if pending:
+        push(deltas[-1], url)  # published, not committed: no keyframe can hold it
+    return url, ckpts, deltas
+
+
+def _refused(*args: str) -> str:
+    """The one line of a dcr command that fails with exit 2."""
+    failed = run_dcr(*args)
+    line = one_error_line(failed)
+    assert failed.returncode == 2, failed.stderr
+    return line
+
+
 def _nothing_written(tmp: Path, name: str) -> None:
     assert not (tmp / name).exists()
     assert not (tmp / f".{name}.partial").exists() or not any((tmp / f".{name}.partial").iterdir())
@@ -39,9 +57,7 @@ def _nothing_written(tmp: Path, name: str) -> None:
 
 @pytest.mark.parametrize("how", ["gone", "corrupt"])
 def test_a_committed_versions_lost_manifest_names_the_push_that_restores_it(tmp_path: Path, how: str) -> None:
-    ckpts, deltas = make_deltas(tmp_path, 3)
-    url = str(tmp_path / "store")
-    commit_each(url, deltas)
+    url, ckpts, deltas = _store(tmp_path)
     manifest = _manifest(url, "v2")
     if how == "gone":
         manifest.unlink()
@@ -49,9 +65,7 @@ def test_a_committed_versions_lost_manifest_names_the_push_that_restores_it(tmp_
         _flip(manifest)
 
     pull = ("pull", url, "--version", "v2", "-o", str(tmp_path / "p"))
-    failed = run_dcr(*pull)
-    line = one_error_line(failed)
-    assert failed.returncode == 2, failed.stderr
+    line = _refused(*pull)
     verify = " --verify-remote" if how == "corrupt" else ""
     what = "is gone (removed by dcr gc?)" if how == "gone" else "is corrupt"
     assert f"manifest of version 'v2' {what}; restore it with dcr push DELTA {url}{verify} (DELTA: the delta" in line
@@ -80,16 +94,11 @@ def test_a_committed_versions_lost_manifest_names_the_push_that_restores_it(tmp_
 
 
 def test_a_pending_versions_lost_manifest_names_its_push_and_no_keyframe(tmp_path: Path) -> None:
-    _ckpts, deltas = make_deltas(tmp_path, 3)
-    url = str(tmp_path / "store")
-    commit_each(url, deltas[:2])
-    push(deltas[2], url)  # v3: published, not committed (no keyframe can hold it)
+    url, _ckpts, deltas = _store(tmp_path, pending=True)
     _manifest(url, "v3").unlink()
 
     pull = ("pull", url, "-o", str(tmp_path / "p"))
-    failed = run_dcr(*pull)
-    line = one_error_line(failed)
-    assert failed.returncode == 2, failed.stderr
+    line = _refused(*pull)
     assert line.endswith(
         f"the manifest of version 'v3' is gone (removed by dcr gc?); restore it with dcr push DELTA {url} "
         "(DELTA: the delta of 'v3')"
@@ -102,17 +111,13 @@ def test_a_pending_versions_lost_manifest_names_its_push_and_no_keyframe(tmp_pat
 
 
 def test_a_corrupt_manifest_that_stops_gc_names_the_push_that_restores_it(tmp_path: Path) -> None:
-    _ckpts, deltas = make_deltas(tmp_path, 3)
-    url = str(tmp_path / "store")
-    commit_each(url, deltas)
+    url, _ckpts, deltas = _store(tmp_path)
     manifest = _manifest(url, "v3")
     _flip(manifest)
     before = sorted(p.relative_to(url) for p in Path(url).rglob("*"))
 
     gc = ("gc", url, "--keep", "3", "--grace", "0")
-    failed = run_dcr(*gc)
-    line = one_error_line(failed)
-    assert failed.returncode == 2, failed.stderr
+    line = _refused(*gc)
     assert f"manifest of version 'v3' is corrupt; restore it with dcr push DELTA {url} --verify-remote" in line, line
     assert sorted(p.relative_to(url) for p in Path(url).rglob("*")) == before  # gc removed nothing
 
@@ -126,18 +131,14 @@ def test_a_corrupt_manifest_that_stops_gc_names_the_push_that_restores_it(tmp_pa
 
 def _keyframed(tmp: Path) -> tuple[str, list[Path], Path]:
     """v1..v3 committed, a keyframe of v3; (url, checkpoints, the keyframe's one file object)."""
-    ckpts, deltas = make_deltas(tmp, 3)
-    url = str(tmp / "store")
-    commit_each(url, deltas)
+    url, ckpts, _deltas = _store(tmp)
     frame = publish_keyframe(url, ckpts[3], version="v3")
     (f,) = frame.files
     return url, ckpts, Path(url) / KEYFRAMES / "v3" / f.stored
 
 
 def _refused_join(tmp: Path, url: str) -> str:
-    failed = run_dcr("pull", url, "--join", "-o", str(tmp / "j"))
-    line = one_error_line(failed)
-    assert failed.returncode == 2, failed.stderr
+    line = _refused("pull", url, "--join", "-o", str(tmp / "j"))
     _nothing_written(tmp, "j")
     return line
 
@@ -217,16 +218,11 @@ def _point_at(record_path: Path, url: str, other: str) -> None:
 
 
 def test_a_pending_versions_record_of_another_manifest_names_its_republish(tmp_path: Path) -> None:
-    _ckpts, deltas = make_deltas(tmp_path, 3)
-    url = str(tmp_path / "store")
-    commit_each(url, deltas[:2])
-    push(deltas[2], url)  # v3 pending
+    url, _ckpts, deltas = _store(tmp_path, pending=True)
     _point_at(Path(url) / "versions" / "v3.json", url, "v2")
 
     pull = ("pull", url, "-o", str(tmp_path / "p"))
-    failed = run_dcr(*pull)
-    line = one_error_line(failed)
-    assert failed.returncode == 2, failed.stderr
+    line = _refused(*pull)
     assert line.endswith(
         f"manifest of version 'v3' does not match its record; remove versions/v3.json from {url} and publish it "
         f"anew with dcr push DELTA {url} (DELTA: the delta of 'v3')"
@@ -244,17 +240,13 @@ def test_a_pending_versions_record_of_another_manifest_names_its_republish(tmp_p
 def test_a_shortcut_record_of_another_manifest_names_the_shortcut_fix(tmp_path: Path) -> None:
     from dcr_cli.store.keyframes import compact
 
-    ckpts, deltas = make_deltas(tmp_path, 4)
-    url = str(tmp_path / "store")
-    commit_each(url, deltas)
+    url, ckpts, _deltas = _store(tmp_path, 4)
     publish_keyframe(url, ckpts[1], version="v1")
     assert compact(url, every=2).published == ["v1..v3"]
     _point_at(Path(url) / "shortcuts" / "v1" / "v3.json", url, "v2")
 
     pull = ("pull", url, "--since", "v1", "-o", str(tmp_path / "p"))
-    failed = run_dcr(*pull)
-    line = one_error_line(failed)
-    assert failed.returncode == 2, failed.stderr
+    line = _refused(*pull)
     assert line.endswith(
         f"manifest of shortcut v1..v3 does not match its record; remove shortcuts/v1/v3.json from {url} and "
         f"publish it anew with dcr compact {url} --every K"
@@ -269,14 +261,10 @@ def test_a_shortcut_record_of_another_manifest_names_the_shortcut_fix(tmp_path: 
 
 
 def test_a_committed_versions_record_of_another_manifest_names_the_keyframe_way_round(tmp_path: Path) -> None:
-    ckpts, deltas = make_deltas(tmp_path, 3)
-    url = str(tmp_path / "store")
-    commit_each(url, deltas)
+    url, ckpts, _deltas = _store(tmp_path)
     _point_at(Path(url) / "versions" / "v2.json", url, "v1")
 
-    failed = run_dcr("pull", url, "--version", "v2", "-o", str(tmp_path / "p"))
-    line = one_error_line(failed)
-    assert failed.returncode == 2, failed.stderr
+    line = _refused("pull", url, "--version", "v2", "-o", str(tmp_path / "p"))
     assert line.endswith(
         "manifest of version 'v2' does not match its record; a committed version's record cannot be published "
         f"again: publish a keyframe of the head (dcr compact {url} --keyframe CHECKPOINT) and join from it "
