@@ -62,7 +62,7 @@ def test_pull_since_fetches_the_route_apply_takes_and_a_receiver_ends_bit_exact(
     assert proc.returncode == 0, proc.stderr
     head, *per_delta = proc.stdout.splitlines()
     assert head == route.describe()
-    assert [line.split(": ", 1)[1].split(" verified")[0] for line in per_delta] == ["shortcut v1->v3", "v4 (base v3)"]
+    assert [line.split(": ", 1)[1].split(" verified")[0] for line in per_delta] == ["shortcut v1..v3", "v4 (base v3)"]
     assert sorted(p.name for p in out.iterdir()) == ["shortcut-v1-v3", "v4"]
     recv = copy_checkpoint(ckpts[1], tmp_path / "recv-cli")
     for name in ("shortcut-v1-v3", "v4"):
@@ -130,7 +130,7 @@ def test_a_rerun_into_a_directory_holding_an_older_shortcut_of_the_same_states_r
     store.put(f"blocks/{block.name}", bytes(b ^ 0x01 for b in good))
     failed = run_dcr("pull", url, "--since", "v1", "-o", str(out), "--no-progress")
     assert failed.returncode == 2 and "corrupt on the store" in one_error_line(failed)
-    assert "shortcut v1->v3" in one_error_line(failed)  # not "version 'v3'"
+    assert "shortcut v1..v3" in one_error_line(failed)  # not "version 'v3'"
     assert delta_files(shortcut) == kept
     assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".partial")) == ["shortcut-v1-v3", "v4"]
 

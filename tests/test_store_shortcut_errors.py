@@ -54,7 +54,7 @@ def test_a_corrupt_shortcut_block_met_by_a_pull_names_the_shortcut_fix(tmp_path:
 
     pulled = run_dcr("pull", url, "--since", "v1", "-o", str(tmp_path / "p"))
     line = one_error_line(pulled)
-    assert pulled.returncode == 2 and "of shortcut v1->v3 is corrupt on the store" in line, line
+    assert pulled.returncode == 2 and "of shortcut v1..v3 is corrupt on the store" in line, line
     _shortcut_fix(line, url)
     assert line.endswith("then pull again"), line
 

@@ -82,7 +82,7 @@ def test_gc_drops_a_damaged_shortcut_record_and_check_reports_it(
     assert compact(url, every=2, storage_options=opts).published == ["v1..v3"]
     recv = copy_checkpoint(ckpts[1], tmp_path / "recv2")
     proc = run_dcr("apply", url, "--since", "v1", "--into", str(recv), env=env)
-    assert proc.returncode == 0 and "shortcut v1->v3" in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and "shortcut v1..v3" in proc.stdout, proc.stderr
     assert read_raw(recv) == read_raw(ckpts[4])
 
 

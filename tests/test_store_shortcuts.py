@@ -73,7 +73,7 @@ def test_a_shortcut_to_another_state_under_a_committed_label_is_no_route(tmp_pat
     recv = copy_checkpoint(ckpts[1], tmp_path / "recv")
     proc = run_dcr("apply", url, "--since", "v1", "--into", str(recv))
     assert proc.returncode == 0, proc.stderr
-    assert "shortcut v1->v4" not in proc.stdout
+    assert "shortcut v1..v4" not in proc.stdout
     assert read_raw(recv) == read_raw(ckpts[4])
     # pull --since fetches the same route.
     proc = run_dcr("pull", url, "--since", "v1", "-o", str(tmp_path / "pulled"))
@@ -107,7 +107,7 @@ def test_the_path_line_quotes_no_chain_that_gc_broke(tmp_path: Path) -> None:
     assert "no plain chain (deltas removed by gc)" in broken.describe()
     # From v0 only the keyframe route is left; the line must not quote v4's delta as "the chain".
     line = plan(url, "v0").describe()
-    assert line.startswith("path: keyframe v1 + shortcut v1->v3 + chain v3->v4") and "; chain " not in line, line
+    assert line.startswith("path: keyframe v1 + shortcut v1..v3 + chain v3..v4") and "; chain " not in line, line
     # dcr pull --since writes deltas only (a keyframe replaces the checkpoint: dcr pull --join), as apply does.
     line = one_error_line(run_dcr("pull", url, "--since", "v0", "-o", str(tmp_path / "p")))
     assert "no path from v0" in line and "dcr pull --join" in line, line
@@ -246,8 +246,8 @@ def test_a_shortcut_missing_a_data_block_is_skipped_for_the_next_route(tmp_path:
     proc = run_dcr("apply", url, "--since", "v1", "--into", str(recv))
     assert proc.returncode == 0, proc.stderr
     path_line = proc.stdout.splitlines()[0]
-    assert path_line.startswith("path: chain v1->v2 + chain v2->v3 + chain v3->v4"), path_line
-    assert "skipped shortcut v1->v3: a block is missing from the store (see dcr check)" in path_line
+    assert path_line.startswith("path: chain v1..v2 + chain v2..v3 + chain v3..v4"), path_line
+    assert "skipped shortcut v1..v3: a block is missing from the store (see dcr check)" in path_line
     assert read_raw(recv) == read_raw(ckpts[4])
     # pull --since and a joining receiver's route skip it the same way.
     assert [s.kind for s in plan(url, "v1").steps] == ["chain", "chain", "chain"]

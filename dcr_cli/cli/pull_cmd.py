@@ -72,7 +72,7 @@ def command(
     if not results:
         say(f"{url}: nothing to fetch; a receiver at {since} is up to date")
     for r in results:
-        what = f"{r.version} (base {r.base})" if r.kind == "chain" else f"shortcut {r.base}->{r.version}"
+        what = f"{r.version} (base {r.base})" if r.kind == "chain" else f"shortcut {r.base}..{r.version}"
         if r.already_present:
             say(f"{r.path}: already holds {what}")
         else:

@@ -36,6 +36,7 @@ from ..format.store_records import (
     VERSIONS,
     is_label,
     parse_record,
+    redo_shortcut,
 )
 from ..io.reading import RegularFiles, read_regular_file
 from ..io.retry import calling, transient_for
@@ -165,9 +166,8 @@ class StoreManifestSource(BlockSource):
             if kind == "shortcut":  # written by dcr compact, which keeps a shortcut whose record is there
                 base = self.base_version
                 return IntegrityError(
-                    f"{what}; {url} lost it although shortcut {base}..{target} is complete there: remove "
-                    f"{SHORTCUTS}/{base}/{target}.json from {url} and publish it anew with dcr compact {url} "
-                    "--every K, then re-run"
+                    f"{what}; {url} lost it although shortcut {base}..{target} is complete there: "
+                    f"{redo_shortcut(url, base, target)}, then re-run"
                 )
             return IntegrityError(
                 f"{what}; {url} lost it although version {target!r} is complete there: "

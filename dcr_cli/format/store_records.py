@@ -27,6 +27,13 @@ MAX_RECORD_BYTES = 1 << 20
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # store-v1 §1.1 (and not ending in .json)
 
 
+def redo_shortcut(url: str, base: str, target: str) -> str:
+    """The fix for shortcut ``base..target`` (store-v1 §6.2) whose manifest or blocks are lost or damaged.
+    dcr push cannot restore it (dcr compact wrote it), and dcr compact keeps a shortcut whose record is
+    there: the record goes first. Here, below the store and the delta layer, so that both say it alike."""
+    return f"remove {SHORTCUTS}/{base}/{target}.json from {url} and publish it anew with dcr compact {url} --every K"
+
+
 def is_label(text: str) -> bool:
     """Whether ``text`` is a valid version or receiver label (store-v1 §1.1)."""
     return bool(LABEL.fullmatch(text)) and not text.endswith(".json")

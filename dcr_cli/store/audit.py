@@ -167,7 +167,10 @@ def check(
             record.base.fingerprint,
             record.target.fingerprint,
         ):
-            problems.append(f"the manifest of version {record.version!r} does not match its version record")
+            problems.append(
+                f"the manifest of version {record.version!r} does not match its version record; "
+                f"{store.record_fix(record)}"
+            )
         checked += 1
         data_ids = {b.id for b in manifest.blocks if b.role == "data"}
         # Repair blocks follow the record (1.1): absent ones are a pending upload until the push marks it complete.

@@ -518,17 +518,36 @@ def _fetch_keyframe(store: Store, url: str, frame: KeyframeRecord, partial: Path
                 os.fsync(dst.fileno())
         except FileNotFoundError:
             local.unlink(missing_ok=True)
-            raise IntegrityError(f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?)") from None
+            raise IntegrityError(
+                f"{url}: keyframe {frame.version} lacks {f.name} (removed by gc?); {republish_keyframe(url, frame)}, "
+                "then re-run"
+            ) from None
         except IntegrityError:
             local.unlink(missing_ok=True)
             raise IntegrityError(
                 f"{url}: keyframe file {f.name} of {frame.version} is corrupt on the store (its size or BLAKE3 is "
-                "not its record's)"
+                f"not its record's); {republish_keyframe(url, frame, f)}, then re-run"
             ) from None
     if checkpoint_fingerprint(partial) != frame.fingerprint:
         for f in frame.files:  # each file is as recorded, the record is wrong: nothing here is worth resuming
             (partial / f.name).unlink()
-        raise IntegrityError(f"{url}: keyframe {frame.version} does not hold its recorded fingerprint")
+        raise IntegrityError(
+            f"{url}: keyframe {frame.version} does not hold its recorded fingerprint; "
+            f"{republish_keyframe(url, frame)}, then re-run"
+        )
+
+
+def republish_keyframe(url: str, frame: KeyframeRecord, damaged: KeyframeFile | None = None) -> str:
+    """The fix for a keyframe a join cannot use: publishing stops at a record that is there (store-v1 §6.1
+    step 2), so the record goes first; a damaged file goes too, since a publish keeps an object of the
+    right size written in the last 15 minutes (step 3). Only the producer holds the checkpoint."""
+    objects = [f"{KEYFRAMES}/{frame.version}.json"]
+    if damaged is not None:
+        objects.append(keyframe_object(frame.version, damaged))
+    return (
+        f"remove {' and '.join(objects)} from {url} and publish it anew with dcr compact {url} --keyframe "
+        f"CHECKPOINT --version {frame.version} (CHECKPOINT: the checkpoint of {frame.version})"
+    )
 
 
 # -- shortcuts ---------------------------------------------------------------------------------------------------------
@@ -717,7 +736,7 @@ class Plan:
     chain_bytes: int | None  # the plain chain's bytes (None: no chain from the receiver's version)
     keyframe_bytes: int | None  # the cheapest keyframe route's bytes, if any
     chain_gone: str = ""  # what describe() says when a receiver has a version but no plain chain reaches the target
-    skipped: list[str] = field(default_factory=list)  # "base->target" of shortcuts left out: a data block is missing
+    skipped: list[str] = field(default_factory=list)  # "base..target" of shortcuts left out: a data block is missing
     damaged: list[str] = field(default_factory=list)  # "base..target" of shortcut records that do not parse
 
     @property
@@ -726,7 +745,7 @@ class Plan:
 
     def describe(self) -> str:
         parts = [
-            f"{s.kind} {s.target}" if s.kind == "keyframe" else f"{s.kind} {s.base}->{s.target}" for s in self.steps
+            f"{s.kind} {s.target}" if s.kind == "keyframe" else f"{s.kind} {s.base}..{s.target}" for s in self.steps
         ]
         alt = [f"chain {self.chain_bytes} B" if self.chain_bytes is not None else self.chain_gone, ""]
         if self.keyframe_bytes is not None:
@@ -839,7 +858,7 @@ def plan(
         broken = [s for s in min(chosen, key=lambda r: r[0])[1] if s.kind == "shortcut" and not _present(store, s)]
         if not broken:
             break
-        skipped.extend(f"{s.base}->{s.target}" for s in broken)
+        skipped.extend(f"{s.base}..{s.target}" for s in broken)
         edges = [e for e in edges if e not in broken]
     chain_only = None
     if since is not None:
@@ -987,7 +1006,7 @@ def open_plan(url: str, the_plan: Plan, *, storage_options: dict[str, Any] | Non
     for s in the_plan.steps:
         if s.kind == "keyframe" or s.record is None:
             raise DcrError("a keyframe replaces the checkpoint; join with dcr pull --join instead")
-        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}->{s.target}", shortcut=s.kind == "shortcut"))
+        out.append(_open_manifest(store, s.record, f"{s.kind} {s.base}..{s.target}", shortcut=s.kind == "shortcut"))
     return out
 
 

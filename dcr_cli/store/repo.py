@@ -38,7 +38,6 @@ from ..format.store_records import (
     COMPLETE,
     MARKER,
     MAX_RECORD_BYTES,
-    SHORTCUTS,
     STORE_FORMAT,
     STORE_MAJOR,
     STORE_MINOR,
@@ -46,6 +45,7 @@ from ..format.store_records import (
     VERSIONS,
     is_label,
     parse_record,
+    redo_shortcut,
 )
 from ..format.store_records import LABEL as _LABEL
 from ..format.strict_json import load_json
@@ -543,31 +543,65 @@ class Store:
         from ..format.manifest import MAX_MANIFEST_BYTES
 
         rel = f"{MANIFESTS}/{record.manifest}.json"
-        # A shortcut is derived data: compact makes it anew once its record is gone (store-v1 §6.2, §6.4).
-        fix = f"; {redo_shortcut(self.url, record)}" if shortcut else ""
         try:
             raw = self.read(rel, limit=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise DcrError(
-                f"{self.url}: the manifest of {record_name(record, shortcut)} is gone (removed by dcr gc?){fix}"
+                f"{self.url}: the manifest of {record_name(record, shortcut)} is gone (removed by dcr gc?); "
+                f"{self._manifest_fix(record, shortcut, damaged=False)}"
             ) from None
         if digest_bytes(raw) != record.manifest:
-            raise IntegrityError(f"{self.url}/{rel}: manifest of {record_name(record, shortcut)} is corrupt{fix}")
+            raise IntegrityError(
+                f"{self.url}/{rel}: manifest of {record_name(record, shortcut)} is corrupt; "
+                f"{self._manifest_fix(record, shortcut, damaged=True)}"
+            )
         return raw
+
+    def _manifest_fix(self, record: VersionRecord, shortcut: bool, *, damaged: bool) -> str:
+        """What restores a version's (or shortcut's) manifest that is gone or damaged on this store.
+
+        A shortcut is derived data: compact makes it anew once its record is gone (store-v1 §6.2, §6.4). A
+        version's is restored by a re-run of its push (§4.1 step 2: the manifest if absent, with
+        --verify-remote one that fails its digest); without that delta, see :meth:`_way_round`."""
+        if shortcut:
+            return redo_shortcut(self.url, record.base.version, record.version)
+        verify = " --verify-remote" if damaged else ""
+        fix = f"restore it with dcr push DELTA {self.url}{verify} (DELTA: the delta of {record.version!r})"
+        way_round = self._way_round(record)
+        return f"{fix}; without that delta, {way_round}" if way_round else fix
+
+    def record_fix(self, record: VersionRecord, shortcut: bool = False) -> str:
+        """What fixes a record that names a manifest of other states (the manifest has the record's digest, so
+        the record is wrong). A shortcut's, as :meth:`_manifest_fix`; a pending version's record goes and its
+        push publishes it anew (§4.1); a committed one's cannot (the commit record names it, and a push
+        builds on the head): see :meth:`_way_round`."""
+        if shortcut:
+            return redo_shortcut(self.url, record.base.version, record.version)
+        way_round = self._way_round(record)
+        if way_round:
+            return f"a committed version's record cannot be published again: {way_round}"
+        return (
+            f"remove {VERSIONS}/{record.version}.json from {self.url} and publish it anew with dcr push DELTA "
+            f"{self.url} (DELTA: the delta of {record.version!r})"
+        )
+
+    def _way_round(self, record: VersionRecord) -> str:
+        """For a committed version whose delta cannot be had: a keyframe of the head, which a receiver with no
+        state joins (store-v1 §6.1, §6.3); "" for a pending one (a keyframe holds a committed state)."""
+        committed = False
+        with contextlib.suppress(DcrError, OSError):  # the question only shapes the advice
+            committed = self.is_committed(record.version)
+        if not committed:
+            return ""
+        return (
+            f"publish a keyframe of the head (dcr compact {self.url} --keyframe CHECKPOINT) and join from it "
+            f"(dcr pull {self.url} --join -o DIR)"
+        )
 
 
 def record_name(record: VersionRecord, shortcut: bool = False) -> str:
     """How a message names a record: "version 'v4'", or "shortcut v0..v4" (a squashed delta, store-v1 §6.2)."""
     return f"shortcut {record.base.version}..{record.version}" if shortcut else f"version {record.version!r}"
-
-
-def redo_shortcut(url: str, record: VersionRecord) -> str:
-    """The fix for a shortcut whose manifest or blocks are lost or damaged. dcr push cannot restore it (dcr
-    compact wrote it), and dcr compact keeps a shortcut whose record is there: the record goes first."""
-    return (
-        f"remove {SHORTCUTS}/{record.base.version}/{record.version}.json from {url} and publish it anew with "
-        f"dcr compact {url} --every K"
-    )
 
 
 class StoreBlockSource(BlockSource):
@@ -597,7 +631,7 @@ class StoreBlockSource(BlockSource):
         if record is not None and repairs_promised:  # a shortcut's: dcr push cannot restore it
             self.damaged_advice = (
                 f"the store's copy is damaged (dcr check {store.url} --read-data lists every damaged object): "
-                f"{redo_shortcut(store.url, record)}, then re-run"
+                f"{redo_shortcut(store.url, record.base.version, record.version)}, then re-run"
             )
 
     def call(self, fn: Callable[[], T], what: str) -> T:
@@ -618,7 +652,11 @@ class StoreBlockSource(BlockSource):
         promised = self.repairs_promised or record.minor < 1 or self.store.exists(f"{COMPLETE}/{record.version}")
         if promised:
             url = self.store.url
-            fix = redo_shortcut(url, record) if self.repairs_promised else f"restore it with dcr push DELTA {url}"
+            fix = (
+                redo_shortcut(url, record.base.version, record.version)
+                if self.repairs_promised
+                else f"restore it with dcr push DELTA {url}"
+            )
             return IntegrityError(
                 f"{what}; {url} lost it although {record_name(record, self.repairs_promised)} is complete there: "
                 f"{fix}, then re-run"

@@ -36,6 +36,7 @@ from ..delta.source import CHUNK_BYTES, BlockSource
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError, NotReadyError
 from ..format.digest import StreamingDigest, digest_bytes
 from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, parse_manifest
+from ..format.store_records import redo_shortcut
 from ..io.files import fsync_dir, write_atomic
 from ..io.gc_pause import no_collections
 from ..io.reading import open_regular
@@ -57,7 +58,6 @@ from .repo import (
     dumps,
     poll,
     record_name,
-    redo_shortcut,
     utc_now,
 )
 
@@ -516,7 +516,11 @@ def require_repair_blocks(
     """
     missing = missing_repair_blocks(store, manifest, workers)
     if missing and (shortcut or record.minor < 1 or store.exists(f"{COMPLETE}/{record.version}")):
-        fix = redo_shortcut(store.url, record) if shortcut else f"restore it with dcr push DELTA {store.url}"
+        fix = (
+            redo_shortcut(store.url, record.base.version, record.version)
+            if shortcut
+            else f"restore it with dcr push DELTA {store.url}"
+        )
         raise IntegrityError(  # its push (or compact) had uploaded every block: this one was lost since
             f"{store.url}: repair block {missing[0].id[:16]}… of {record_name(record, shortcut)} is missing from "
             f"the store ({len(missing)} such); {fix}, then {then}"
@@ -640,12 +644,14 @@ def _pull_record(
     digests match, and put in its place only once verified: a failed fetch leaves it as it was. A directory
     that is no such delta, a file, a link, is never replaced (it may be the user's)."""
     shortcut = kind == "shortcut"
-    what = f"shortcut {record.base.version}->{record.version}" if shortcut else f"version {record.version!r}"
+    what = record_name(record, shortcut)
     raw = store.manifest_bytes(record, shortcut=shortcut)  # checked against the digest in the version record
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
-        raise IntegrityError(f"{store.url}: manifest of {what} does not match its record")
+        raise IntegrityError(
+            f"{store.url}: manifest of {what} does not match its record; {store.record_fix(record, shortcut)}"
+        )
     roles = ("data", "repair") if repair else ("data",)
     wanted = list({b.id: b for b in manifest.blocks if b.role in roles}.values())
 
@@ -732,13 +738,21 @@ def _pull_record(
                 for block in missing:
                     fetcher.keep(block.id, blocks_dir / block.id)
         except MissingBlock as exc:
-            fix = redo_shortcut(store.url, record) if shortcut else "restore it with dcr push DELTA URL"
+            fix = (
+                redo_shortcut(store.url, record.base.version, record.version)
+                if shortcut
+                else "restore it with dcr push DELTA URL"
+            )
             raise IntegrityError(
                 f"{store.url}: a block of {what} is missing from the store ({exc}); {fix}, then pull again"
             ) from None
         except IntegrityError:
             which = f"block {block.id[:16]}…" if block is not None else "a block"
-            fix = redo_shortcut(store.url, record) if shortcut else "repair it with dcr push DELTA URL --verify-remote"
+            fix = (
+                redo_shortcut(store.url, record.base.version, record.version)
+                if shortcut
+                else "repair it with dcr push DELTA URL --verify-remote"
+            )
             raise IntegrityError(
                 f"{store.url}: {which} of {what} is corrupt on the store (wrong size or "
                 f"digest); nothing was written to the output — {fix}, then pull again"
@@ -897,7 +911,10 @@ def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bo
     with no_collections():  # see Delta.open
         manifest = parse_manifest(raw)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
-        raise IntegrityError(f"{store.url}: manifest of {record_name(record, shortcut)} does not match its record")
+        raise IntegrityError(
+            f"{store.url}: manifest of {record_name(record, shortcut)} does not match its record; "
+            f"{store.record_fix(record, shortcut)}"
+        )
     rel = f"{STORE_MANIFESTS}/{record.manifest}.json"
     return Delta(
         store.path(rel) if "://" not in store.url else f"{store.url.rstrip('/')}/{rel}",
