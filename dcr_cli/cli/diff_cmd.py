@@ -15,6 +15,7 @@ from .store_options import parse_storage_options, storage_options
 
 if TYPE_CHECKING:
     from ..delta.summary import DiffSummary
+    from ..format.manifest import VersionRef
 
 Counter = Callable[[int], None]
 
@@ -114,11 +115,12 @@ def command(
     if (rank is None) != (world_size is None) or (rank is not None and world_size is not None and rank >= world_size):
         raise IncompatibleError("give --rank and --world-size together, with rank < world size")
     uploader = None
+    check_base: Callable[[VersionRef], None] | None = None
     if push_url:
         if rank is not None:
             raise IncompatibleError("--push publishes a whole delta: run dcr push OUT URL after dcr assemble")
         from ..store import BlockUploader
-        from ..store.repo import check_distinct_labels, check_label
+        from ..store.repo import Ref, check_distinct_labels, check_label
 
         # What the push after the diff would refuse, refused before the diff and before any block is uploaded.
         if target_version is not None:
@@ -126,6 +128,14 @@ def command(
             check_distinct_labels(target_version, base_version, "--target-version")
         # A known label: each block is announced as it lands, for receivers waiting for the version.
         uploader = BlockUploader(push_url, parse_storage_options(storage_option), announce=target_version)
+        if target_version is not None:  # (without it, the version a re-run would find is not known yet)
+            from ..store.transfer import check_push_base
+
+            url, label, options = push_url, target_version, parse_storage_options(storage_option)
+
+            def check_base(base: VersionRef) -> None:
+                check_push_base(url, Ref(base.version, base.fingerprint), label, options)
+
     config = None
     if profile is not None:
         from ..checkpoints.megatron import load_profile
@@ -150,6 +160,7 @@ def command(
             world_size=world_size,
             on_block=uploader,
             progress_total=set_total,
+            check_base=check_base,
         )
     pushed = None
     if uploader is not None and push_url is not None:

@@ -785,6 +785,16 @@ def existing_result(
     return summary
 
 
+def cached_base_ref(plan: Plan, base: Side, base_version: str | None) -> VersionRef | None:
+    """The reference a diff of ``plan`` would give its base (label, fingerprint), where the digest
+    cache holds every one of the base's tensors; None where it does not (finding out would cost a read)."""
+    cached = base.cached_digests()
+    if any(name not in cached for name in plan.layout):
+        return None
+    fp = fingerprint(base.table({name: cached[name] for name in plan.layout}))
+    return VersionRef(base_version or fp[:16], fp)
+
+
 def _all_digests(side: Side, plan: Plan) -> dict[str, str]:
     """Every canonical tensor's digest of one side, as a diff of ``plan`` records it (cached ones not read
     again; residual tensors digested over their converted bits), remembered for the next run."""
@@ -877,6 +887,7 @@ def diff(
     world_size: int | None = None,
     on_block: Callable[[str, bytes], None] | None = None,
     progress_total: Callable[[int], None] | None = None,
+    check_base: Callable[[VersionRef], None] | None = None,
 ) -> DiffSummary | None:
     """Write a delta that turns checkpoint ``base`` into checkpoint ``new``.
 
@@ -892,6 +903,10 @@ def diff(
     ``progress_total(bytes)`` is called once, before any work, with the total ``progress`` will reach.
     Where ``out`` already holds this very diff's complete delta (a re-run after a kill), nothing is written
     and its summary is returned with ``already_there`` set; anything else there is a ConflictError.
+    ``check_base(ref)`` is called with the delta's base reference before anything is written, where the
+    base's digests are all in the digest cache (the steady state of a stream: no read at all); it may
+    raise to refuse the base (``dcr diff --push`` refuses one that is not the store's head there, before
+    the diff and before any block is uploaded). Without cached digests it is not called.
     """
     check_options(workers, level, rank, world_size)
     fmt, b_src, n_src = open_pair(base, new, format, profile)
@@ -913,6 +928,10 @@ def diff(
             done = existing_result(out, plan, b_side, n_side, base_version=base_version, target_version=target_version)
             if done is not None:
                 return done
+        if check_base is not None and rank is None:
+            known = cached_base_ref(plan, b_side, base_version)
+            if known is not None:
+                check_base(known)
         if progress_total is not None:
             progress_total(plan.total_bytes)
         return execute(

@@ -272,10 +272,7 @@ def push(
         )
     base = existing.base if existing is not None else store.head()
     if existing is None and manifest.base.fingerprint != base.fingerprint:
-        raise IncompatibleError(
-            f"the delta's base ({manifest.base.version}) is not the committed baseline of {url} "
-            f"({base.version}); re-run dcr diff against {base.version} (dcr status {url} --json shows it)"
-        )
+        raise _not_the_head(url, manifest.base.version, base)
 
     limiter = RateLimit(limit_rate) if limit_rate else None
     uploader = _Uploader(store, source, workers, limiter, progress)
@@ -366,6 +363,26 @@ def push(
     result.repair_s = time.monotonic() - started - published_s
     result.repair_pending = False
     return result
+
+
+def _not_the_head(url: str, base: str, head: Ref) -> IncompatibleError:
+    return IncompatibleError(
+        f"the delta's base ({base}) is not the committed baseline of {url} "
+        f"({head.version}); re-run dcr diff against {head.version} (dcr status {url} --json shows it)"
+    )
+
+
+def check_push_base(url: str, base: Ref, target_version: str, storage_options: dict[str, Any] | None = None) -> None:
+    """What ``push`` of a delta from ``base`` to ``target_version`` would refuse for its base, refused
+    now (``dcr diff --push``, before the diff and before any block is uploaded): a base that is not
+    the store's committed head, unless the version is published already (a re-run: ``push`` then
+    compares the deltas themselves). Reads only; a store that does not exist yet takes any base."""
+    store = Store(url, storage_options)
+    if store.marker() is None or store.version(target_version) is not None:
+        return
+    head = store.head()
+    if base.fingerprint != head.fingerprint:
+        raise _not_the_head(url, base.version, head)
 
 
 def _upload_repairs(
