@@ -15,7 +15,7 @@ def _store_files(store: Path) -> set[str]:
 
 
 def test_diff_push_refuses_a_base_behind_the_head_before_the_diff_and_uploads_nothing(tmp_path: Path) -> None:
-    (c0, c1, c2), (d1, _) = make_deltas(tmp_path, 2)  # c0's digests are in the digest cache now
+    (c0, _, c2), (d1, _) = make_deltas(tmp_path, 2)  # c0's digests are in the digest cache now
     store = tmp_path / "store"
     commit_each(str(store), [d1])  # the head is v1
     before = _store_files(store)

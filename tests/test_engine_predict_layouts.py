@@ -233,3 +233,27 @@ def test_strided_views_that_share_an_element_are_still_aliased() -> None:
         receiver = EngineReceiver(make())
         receiver.trace_all(table)
         assert receiver._aliased(table) == aliased, make.__name__
+
+
+class EmptyCopies(torch.nn.Module):
+    """A 16 x 8 tensor held transposed in columns 2.. of ``p``, plus two empty copies (zero-size shards):
+    one into ``p[:, :0]`` (below the tensor's span there), one into another parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(8, 18, dtype=torch.float16), requires_grad=False)
+        self.q = torch.nn.Parameter(torch.zeros(4, 16, dtype=torch.float16), requires_grad=False)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for _, t in weights:
+            self.p.data[:, :0].copy_(t.t()[:, :0])
+            self.p.data[:, 2:].copy_(t.t())
+            self.q.data[:0].copy_(t.t()[8:])
+
+
+def test_empty_copies_beside_a_strided_destination_are_predicted_and_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report, _, digested, held, want = _steady_apply(EmptyCopies, {"w": (16, 8)}, tmp_path, monkeypatch, None)
+    assert report.predicted == 1 and digested == []
+    assert held == want

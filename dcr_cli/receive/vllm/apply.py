@@ -1090,6 +1090,8 @@ def _held_pieces(
     of that part's first element)."""
     local = []
     for dest in placement.destinations:
+        if not dest.numel:  # an empty copy (a zero-size shard): nothing held, and maybe no storage spanned
+            continue
         flat, start = storages[dest.param]
         view = torch.as_strided(flat, dest.dst_size, dest.dst_stride, dest.dst_offset - start)
         held = _to_canonical(view, dest, placement.dtype).cpu()
@@ -1174,6 +1176,8 @@ def _overlaid_in_storage(placement: Placement, flats: dict[str, torch.Tensor], k
     for p in kept:
         assert p.new is not None
         for at in p.located:
+            if not at.index.size:
+                continue
             lo = regions[at.dest.param][0]
             copy = copies[at.dest.param].numpy()
             new = p.new if p.ready else np.ascontiguousarray(p.new[at.hit])
