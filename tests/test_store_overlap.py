@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from checkpoints import read_bits
@@ -386,3 +387,54 @@ def test_streamed_blocks_start_small_so_the_upload_starts_early(tmp_path: Path) 
     mib = 1 << 20
     assert mib == FIRST_STREAMED_BLOCK_BYTES and 8 * mib == STREAMED_BLOCK_BYTES
     assert sizes[:5] == [mib, 2 * mib, 4 * mib, 8 * mib, 8 * mib], sizes
+
+
+def test_repair_blocks_that_are_not_streamed_are_neither_buffered_nor_ramped(tmp_path: Path) -> None:
+    """dcr diff --push hands the writer only its data blocks (``on_block.roles``): the repair blocks
+    go up after publication, read from their files. So the writer keeps no in-memory copy of them (a
+    buffer of tens of MB grown and copied under the GIL, for nothing) and cuts them at the streamed
+    block size from the first one, as their upload does not start early anyway."""
+    import numpy as np
+
+    from dcr_cli.delta.writer import FIRST_STREAMED_BLOCK_BYTES, STREAMED_BLOCK_BYTES, DeltaWriter
+    from dcr_cli.format.codec import EncodedItem
+    from dcr_cli.format.manifest import Region
+
+    class DataOnly:
+        roles = ("data",)
+
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def __call__(self, _id: str, data: bytes) -> None:
+            self.seen.append(len(data))
+
+    rng = np.random.default_rng(4)
+    chunk, repair = (rng.integers(0, 256, 1 << 18, dtype=np.uint8).tobytes() for _ in range(2))  # 256 KiB a section
+
+    def write(on_block: Any) -> DeltaWriter:
+        writer = DeltaWriter(tmp_path / f"d{id(on_block)}", on_block=on_block)
+        for i in range(40):  # 10 MiB of data and 10 MiB of repair sections
+            writer.add(
+                EncodedItem(f"t{i:03d}", Region.range(0, 1 << 17), "xor", 1 << 17, chunk, 0, "0" * 64, "1" * 64, repair)
+            )
+            if i == 20 and isinstance(on_block, DataOnly):  # half-way through a repair block: none of it in memory
+                assert writer._repair_packer.buffer is None and writer._repair_packer.size > 0
+        return writer
+
+    data_only = DataOnly()
+    writer = write(data_only)
+    items = writer.placed_items()
+    repair_sizes = sorted(b.size for b in writer._blocks if b.role == "repair")
+    writer.abort()
+    assert len(items) == 40
+    mib = 1 << 20
+    assert data_only.seen == [FIRST_STREAMED_BLOCK_BYTES, 2 * mib, 4 * mib, 3 * mib]  # data blocks ramp up, and only those
+    assert repair_sizes == [2 * mib, STREAMED_BLOCK_BYTES], repair_sizes  # 8 + 2 MiB: no 1, 2, 4 MiB ramp
+
+    every: list[tuple[str, int]] = []  # a callback that names no roles takes every block, repair blocks too
+    writer = write(lambda block_id, data: every.append((block_id, len(data))))
+    writer.placed_items()
+    roles = {b.id: b.role for b in writer._blocks}
+    writer.abort()
+    assert sum(n for _, n in every) == 20 * mib and {roles[i] for i, _ in every} == {"data", "repair"}

@@ -140,15 +140,18 @@ class _BlockPacker:
 
     def __init__(self, writer: DeltaWriter, role: BlockRole) -> None:
         self.writer, self.role = writer, role
+        # Whether this role's blocks are handed to on_block as they are cut (dcr diff --push takes the data
+        # blocks only: the repair blocks go up after publication, read from their files).
+        self.streamed = writer.on_block is not None and role in getattr(writer.on_block, "roles", (role,))
         # The block's bytes in memory, only for on_block: they are in the staged file anyway, and
         # growing a buffer of tens of MB copies it under the GIL, which stalls the diff's workers.
-        self.buffer: bytearray | None = bytearray() if writer.on_block is not None else None
+        self.buffer: bytearray | None = bytearray() if self.streamed else None
         self.size = 0  # bytes in the block so far
         self.pending: list[tuple[int, str, int, int, str]] = []  # (item index, field, offset, length, digest)
         self.staged: _StagedBlock | None = None
         self.started = 0  # blocks begun (names the staged files apart)
         self.digest_bytes = SECTION_DIGEST_BYTES[writer.major]
-        ramp = writer.on_block is not None and writer.block_bytes == STREAMED_BLOCK_BYTES
+        ramp = self.streamed and writer.block_bytes == STREAMED_BLOCK_BYTES
         self.limit = min(FIRST_STREAMED_BLOCK_BYTES, writer.block_bytes) if ramp else writer.block_bytes
 
     def add(self, item_index: int, field: str, data: bytes) -> None:
@@ -255,7 +258,8 @@ class DeltaWriter:
         self._blocks.append(BlockEntry(block_id, len(data), role))
         # A callback may name the roles it wants (``on_block.roles``, e.g. ("data",)): dcr diff --push
         # uploads repair blocks only after publication (store-v1 §4.1).
-        if self.on_block is not None and role in getattr(self.on_block, "roles", (role,)):
+        if self._packers[role].streamed:
+            assert self.on_block is not None and isinstance(data, bytes)
             self.on_block(block_id, data)
         return len(self._blocks) - 1
 
