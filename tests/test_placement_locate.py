@@ -95,3 +95,29 @@ def test_fp16_in_an_fp32_engine_round_trips_every_number() -> None:
     held = torch.from_numpy(numbers.view(np.int16)).view(torch.float16).to(torch.float32).view(torch.int32)
     back = _to_canonical(held, _widening(torch.float32, len(numbers)), torch.float16)
     assert np.array_equal(back.numpy().view(np.uint16), numbers)
+
+
+def test_named_resident_is_torchs_named_buffers_then_named_parameters_from_one_walk() -> None:
+    """Every name of every buffer and parameter, in torch's order, shared modules and tied weights
+    included: what ``{**named_buffers(remove_duplicate=False), **named_parameters(...)}`` gives, from
+    one walk of the modules instead of two (an apply's pause collects it)."""
+    from dcr_cli.receive.vllm.placement import named_resident
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+            self.register_buffer("unset", None)
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.blocks = torch.nn.ModuleList([Block(), Block()])
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    model.again = model.blocks[0]  # one module reachable under two names
+    model.register_buffer("top", torch.zeros(2))
+    want = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+    got = named_resident(model)
+    assert list(got) == list(want) and all(got[n] is want[n] for n in want)
+    assert "head.weight" in got and "again.lin.weight" in got and "blocks.0.unset" not in got

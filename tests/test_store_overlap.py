@@ -429,7 +429,7 @@ def test_repair_blocks_that_are_not_streamed_are_neither_buffered_nor_ramped(tmp
     writer.abort()
     assert len(items) == 40
     mib = 1 << 20
-    assert data_only.seen == [FIRST_STREAMED_BLOCK_BYTES, 2 * mib, 4 * mib, 3 * mib]  # data blocks ramp up, and only those
+    assert data_only.seen == [FIRST_STREAMED_BLOCK_BYTES, 2 * mib, 4 * mib, 3 * mib]  # the data blocks, ramped up
     assert repair_sizes == [2 * mib, STREAMED_BLOCK_BYTES], repair_sizes  # 8 + 2 MiB: no 1, 2, 4 MiB ramp
 
     every: list[tuple[str, int]] = []  # a callback that names no roles takes every block, repair blocks too

@@ -176,9 +176,17 @@ class Prepared:
 
     @property
     def nbytes(self) -> int:
+        """The memory its arrays hold, each buffer once: a destination's index is often a view of
+        ``canonical`` (a tensor alone in its parameter), and counting both twice filled the first
+        pass's budget with bytes that do not exist."""
         held = [a for a in (self.values, self.current, self.new, self.canonical) if a is not None]
         held += [a for at in self.located for a in (at.hit, at.index) if isinstance(a, np.ndarray)]
-        return sum(a.nbytes for a in held)
+        buffers: dict[int, int] = {}
+        for a in held:
+            while isinstance(a.base, np.ndarray):  # a view holds its base alive: count the base, once
+                a = a.base
+            buffers[id(a)] = a.nbytes
+        return sum(buffers.values())
 
 
 @dataclass
@@ -271,6 +279,9 @@ class EngineReceiver:
         self.state = EngineState()
         self._placements: dict[str, Placement] = {}
         self._resident: dict[str, torch.Tensor] | None = None
+        self._storage_ptrs: dict[str, int | None] = {}
+        # _aliased's last answer and the placements it was computed from (a function of them alone).
+        self._aliased_memo: tuple[list[tuple[str, Placement | None]], set[str]] | None = None
         # Items decoded and located by the check pass, for the write pass (bounded by PREPARED_BYTES).
         self._prepared: dict[int, Prepared] = {}
         self._prepared_bytes = 0
@@ -299,19 +310,29 @@ class EngineReceiver:
             self._resident = named_resident(self.model)
         return self._resident
 
+    def _storage_ptr(self, param: str) -> int | None:
+        """The address of resident ``param``'s storage (None: no such parameter), once per operation."""
+        ptr = self._storage_ptrs.get(param, -1)
+        if ptr == -1:
+            tensor = self.resident().get(param)
+            ptr = self._storage_ptrs[param] = None if tensor is None else tensor.untyped_storage().data_ptr()
+        return ptr
+
     def _begin(self) -> None:
         self._resident = None  # parameters may have been replaced since the last operation
+        self._storage_ptrs = {}
 
     # ------------------------------------------------------------------ placement
 
     def _cached(self, name: str, entry: TensorEntry) -> Placement | None:
         cached = self._placements.get(name)
-        if cached is not None and cached.shape == entry.shape and cached.dtype == TORCH_DTYPES[entry.dtype]:
-            resident = self.resident()
-            if all(
-                p in resident and resident[p].untyped_storage().data_ptr() == ptr for p, ptr in cached.storages.items()
-            ):
-                return cached
+        if (
+            cached is not None
+            and cached.shape == entry.shape
+            and cached.dtype == TORCH_DTYPES[entry.dtype]
+            and all(self._storage_ptr(p) == ptr for p, ptr in cached.storages.items())
+        ):
+            return cached
         return None
 
     def placement(self, name: str, entry: TensorEntry) -> Placement:
@@ -522,14 +543,15 @@ class EngineReceiver:
 
     def _check_local(self, delta: Delta) -> None:
         m = delta.manifest
-        check_layout_kept(self.model)
-        check_resident_layout(self.model)  # repacked, reordered, transposed or padded after loading
+        modules = list(self.model.named_modules())  # one walk for the three layout checks (an apply's pause runs them)
+        check_layout_kept(self.model, modules)
+        check_resident_layout(self.model, modules)  # repacked, reordered, transposed or padded after loading
         receiver_plan.check_table(m, delta.url)
         for name, entry in m.tensors.items():
             if entry.dtype not in TORCH_DTYPES:
                 raise FormatError(f"{name}: unsupported dtype {entry.dtype}")
         self.trace_all(m.tensors)  # rejects what cannot be applied exactly, before any write
-        derived = mla_derived_params(self.model)
+        derived = mla_derived_params(self.model, modules)
         if derived:
             for name in sorted(receiver_plan.touched(m)):
                 hit = [d.param for d in self._placements[name].destinations if d.param in derived]
@@ -684,6 +706,8 @@ class EngineReceiver:
             # Items the staged pass could not keep are checked again here, in the same agreed phase as
             # the untouched tensors' check (a rank that refuses fails every rank; none is left waiting).
             again = len(kept) < len(m.items)
+            # ... and kept within what the staged ones left of the budget: one PREPARED_BYTES in all.
+            self._prepared_bytes = sum(p.nbytes for p in kept.values())
             self.agree(lambda: self._untouched_and_first_pass(delta, base_table, resuming, kept, first_pass=again))
             prepared = {**kept, **self._prepared}
             staged_items = len(kept)
@@ -959,10 +983,17 @@ class EngineReceiver:
         sharing an element (the two transposed halves of stacked experts, a weight fused along dim 1)
         are not aliased. Conservative where that test runs out of its budget.
         """
+        of = [(name, self._placements.get(name)) for name in table]
+        memo = self._aliased_memo
+        if (
+            memo is not None
+            and len(memo[0]) == len(of)
+            and all(a == b and p is q for (a, p), (b, q) in zip(memo[0], of, strict=True))
+        ):
+            return set(memo[1])  # the same placements (a steady refit's pause): the same answer
         spans: dict[str, list[tuple[int, int, str, Box]]] = {}
         aliased: set[str] = set()
-        for name in table:
-            placement = self._placements.get(name)
+        for name, placement in of:
             for d in placement.destinations if placement is not None else ():
                 box = (d.dst_offset, d.dst_size, d.dst_stride)
                 span = box_span(box)
@@ -982,6 +1013,7 @@ class EngineReceiver:
                     if strided_boxes_overlap(other_box, box):
                         aliased.update((name, other))
                 active.append((lo, hi, name, box))
+        self._aliased_memo = (of, set(aliased))
         return aliased
 
     def _agreed_aliased(self, table: dict[str, TensorEntry]) -> set[str]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ...errors import IncompatibleError
-from .placement import int_dtype, storage_ptr
+from .placement import Modules, int_dtype, storage_ptr
 
 # ---------------------------------------------------------------------------------------- MoE
 
@@ -258,13 +258,13 @@ def record_post_load(model: torch.nn.Module, process: Callable[[], object]) -> o
 # ----------------------------------------------------------------------------------- the check
 
 
-def check_resident_layout(model: torch.nn.Module) -> None:
+def check_resident_layout(model: torch.nn.Module, modules: Modules | None = None) -> None:
     """Refuse, naming the layer or parameter and the reason, an engine whose weights left the loader's layout.
 
     Called on every rank before the first write (EngineReceiver's checks). Quantized methods and
-    CPU-repacked linears are refused before this, by placement.check_layout_kept.
+    CPU-repacked linears are refused before this, by placement.check_layout_kept. ``modules``: as there.
     """
-    for module_name, module in model.named_modules():
+    for module_name, module in modules if modules is not None else model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             problem = moe_layout_problem(module_name, method)
@@ -293,11 +293,18 @@ def _holds(obj: object, attr: str) -> bool:
     return attr in own or attr in own.get("_parameters", {}) or attr in own.get("_buffers", {})
 
 
-def mla_derived_params(model: torch.nn.Module) -> dict[str, str]:
-    """Parameter name -> why dcr cannot update it in place, for every MLA layer's kv_b_proj weight."""
-    names = {id(p): n for n, p in model.named_parameters()}
+def mla_derived_params(model: torch.nn.Module, modules: Modules | None = None) -> dict[str, str]:
+    """Parameter name -> why dcr cannot update it in place, for every MLA layer's kv_b_proj weight.
+
+    ``modules``: as in check_layout_kept."""
+    modules = modules if modules is not None else list(model.named_modules())
+    names: dict[int, str] = {}  # model.named_parameters() from the same walk: a tied parameter's first name
+    for prefix, module in modules:
+        for pname, p in module._parameters.items():
+            if p is not None and id(p) not in names:
+                names[id(p)] = f"{prefix}.{pname}" if prefix else pname
     out: dict[str, str] = {}
-    for module_name, module in model.named_modules():
+    for module_name, module in modules:
         kv_b_proj = module.__dict__.get("_modules", {}).get("kv_b_proj") or module.__dict__.get("kv_b_proj")
         if not isinstance(kv_b_proj, torch.nn.Module):
             continue

@@ -18,7 +18,7 @@ embeddings, experts); this module holds no model-specific knowledge.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -234,7 +234,16 @@ def resident_storages(model: torch.nn.Module) -> dict[int, str]:
 
 
 def named_resident(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+    """Buffers and parameters by every name they have (``named_buffers`` then ``named_parameters``, both
+    with ``remove_duplicate=False``; a parameter wins a name clash), from one walk of the modules."""
+    buffers: dict[str, torch.Tensor] = {}
+    params: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for members, out in ((module._buffers, buffers), (module._parameters, params)):
+            for key, tensor in members.items():
+                if tensor is not None:
+                    out[f"{prefix}.{key}" if prefix else key] = tensor
+    return {**buffers, **params}
 
 
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
@@ -359,14 +368,18 @@ def _repack_hint(model: torch.nn.Module) -> str:
     return "is the tensor name and shape those of the checkpoint the engine loaded?"
 
 
-def check_layout_kept(model: torch.nn.Module) -> None:
+Modules = Sequence[tuple[str, torch.nn.Module]]
+
+
+def check_layout_kept(model: torch.nn.Module, modules: Modules | None = None) -> None:
     """Reject engines whose resident weights are not in checkpoint layout (quantized or repacked).
 
     The CPU backend hands linear and embedding weights to oneDNN/SGL kernels as a repacked copy,
     so the parameters no longer hold what the GEMMs use. The dcr plugin replaces that dispatch
     with plain ``F.linear`` and marks the layers; any other ``cpu_linear`` means a repacked copy.
+    ``modules``: ``list(model.named_modules())`` where the caller has it (the walk is the cost).
     """
-    for module_name, module in model.named_modules():
+    for module_name, module in modules if modules is not None else model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is not None and not type(method).__name__.startswith("Unquantized"):
             raise IncompatibleError(
