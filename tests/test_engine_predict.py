@@ -230,14 +230,16 @@ def test_two_ranks_predict_in_step_and_drop_a_stale_staged_pass_together(tmp_pat
     assert calls[0] == calls[1]
 
 
+@pytest.mark.parametrize("rebind", ["b to a", "a to b"])
 def test_a_parameter_rebound_onto_anothers_storage_after_prepare_is_never_recorded_from_a_stale_prediction(
-    tmp_path: Path,
+    tmp_path: Path, rebind: str
 ) -> None:
-    """``prepare`` predicts a and b apart (two storages), each from its own items. Then parameter ``b``
-    is rebound to ``a``: both tensors now load into one storage, which cannot hold a's row 0 change and b's row 1
-    change at once. The update re-traces b, finds the two aliased (never from the answer ``prepare``
-    computed: a new placement is a new question), drops their predictions and digests both after the
-    writes, so the apply fails and records nothing."""
+    """``prepare`` predicts a and b apart (two storages), each from its own items. Then one parameter
+    is rebound to the other: both tensors now load into one storage, which cannot hold a's row 0
+    change and b's row 1 change at once. The update re-traces the tensor whose storage moved, finds
+    the two aliased (by storage, though the two placements name it differently; never from the answer
+    ``prepare`` computed: a new placement is a new question), drops their predictions and digests
+    both after the writes, so the apply fails and records nothing."""
     x, delta = _versions(tmp_path, {"a": [0], "b": [1]})
     module = TwoParams()
     for p in (module.a, module.b):
@@ -245,7 +247,10 @@ def test_a_parameter_rebound_onto_anothers_storage_after_prepare_is_never_record
     receiver = EngineReceiver(module)
     assert receiver.prepare(delta) == "apply"
     assert receiver._staged is not None and receiver._staged.predicted == {"a", "b"}
-    module.b = module.a  # a parameter rebound between prepare and the update
+    if rebind == "b to a":  # a parameter rebound between prepare and the update
+        module.b = module.a
+    else:
+        module.a = module.b
     with pytest.raises(IntegrityError, match="do not hold the target"):
         receiver.apply(delta)
     assert receiver.state.version != "v1" and receiver.state.applying is not None

@@ -977,8 +977,8 @@ class EngineReceiver:
         parameter, say) or of the same one, or whose own destination folds onto itself.
 
         Such a tensor is never proven by ``_predict`` (other writes change its bits) and is digested
-        whole after the writes, touched or not. Candidate pairs are the destinations of one
-        parameter whose spans overlap (a sweep over the spans by start); each pair is then tested
+        whole after the writes, touched or not. Candidate pairs are the destinations into one
+        storage whose spans overlap (a sweep over the spans by start); each pair is then tested
         exactly as two strided boxes (``strided_boxes_overlap``), so views that interleave without
         sharing an element (the two transposed halves of stacked experts, a weight fused along dim 1)
         are not aliased. Conservative where that test runs out of its budget.
@@ -991,7 +991,10 @@ class EngineReceiver:
             and all(a == b and p is q for (a, p), (b, q) in zip(memo[0], of, strict=True))
         ):
             return set(memo[1])  # the same placements (a steady refit's pause): the same answer
-        spans: dict[str, list[tuple[int, int, str, Box]]] = {}
+        # One storage can be reached under several parameter names (a parameter rebound onto another's
+        # storage after one of them was traced names it differently in the two placements): destinations
+        # are grouped by the storage each trace recorded (which _cached has just checked), not by name.
+        spans: dict[int | str, list[tuple[int, int, str, Box, int]]] = {}
         aliased: set[str] = set()
         for name, placement in of:
             for d in placement.destinations if placement is not None else ():
@@ -1001,18 +1004,21 @@ class EngineReceiver:
                     continue
                 if strided_box_self_overlaps(box):
                     aliased.add(name)
-                spans.setdefault(d.param, []).append((*span, name, box))
+                size = d.dst_dtype.itemsize  # spans in bytes: views of one storage may differ in dtype
+                storage = placement.storages.get(d.param, d.param)
+                spans.setdefault(storage, []).append((span[0] * size, span[1] * size, name, box, size))
         for ranges in spans.values():
             ranges.sort(key=lambda r: (r[0], r[1]))
-            active: list[tuple[int, int, str, Box]] = []  # spans still open at ``lo``
-            for lo, hi, name, box in ranges:
+            active: list[tuple[int, int, str, Box, int]] = []  # spans still open at ``lo``
+            for lo, hi, name, box, size in ranges:
                 active = [r for r in active if r[1] > lo]
-                for _, _, other, other_box in active:
+                for _, _, other, other_box, other_size in active:
                     if {name, other} <= aliased:
                         continue
-                    if strided_boxes_overlap(other_box, box):
+                    # Exact for two views of one dtype; views of two dtypes whose spans overlap: aliased.
+                    if other_size != size or strided_boxes_overlap(other_box, box):
                         aliased.update((name, other))
-                active.append((lo, hi, name, box))
+                active.append((lo, hi, name, box, size))
         self._aliased_memo = (of, set(aliased))
         return aliased
 
