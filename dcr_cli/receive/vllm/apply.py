@@ -997,7 +997,9 @@ class EngineReceiver:
         spans: dict[int | str, list[tuple[int, int, str, Box, int]]] = {}
         aliased: set[str] = set()
         for name, placement in of:
-            for d in placement.destinations if placement is not None else ():
+            if placement is None:
+                continue
+            for d in placement.destinations:
                 box = (d.dst_offset, d.dst_size, d.dst_stride)
                 span = box_span(box)
                 if span is None:
