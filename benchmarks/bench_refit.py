@@ -421,6 +421,10 @@ def reset_receiver(recv: Receiver, chain: Chain, k: int, work: Path, memory: Mem
             name="diff(prime)",
         ).check()
     run(dcr("apply", str(prime), "--into", str(recv.root)), name="apply(prime)").check()
+    # A rollout node's checkpoint has been on its disk since its last refit. The copy just made is still
+    # gigabytes of dirty pages: untimed, write them out, or the timed apply's fsync (and the producer,
+    # sharing the disk and the cores with the kernel's flusher) would pay for the copy.
+    os.sync()
     recv.at = chain.labels[k]
 
 
