@@ -25,7 +25,7 @@ def test_main_job_runs_end_to_end(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
-    assert "path: shortcut step-3->step-5" in out  # the late receiver took the squashed shortcut
+    assert "path: shortcut step-3..step-5" in out  # the late receiver took the squashed shortcut
     assert "ok, 25 tensors match version step-5" in out
     assert "hold exactly the bits of" in out  # after both byte-for-byte cmp checks
     work = tmp_path / "work"

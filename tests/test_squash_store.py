@@ -74,14 +74,14 @@ def test_keyframe_shortcuts_join_and_catch_up(stream: tuple[Path, Path, Path], t
 
     # A receiver at the keyframe's version takes the shortcut, then the chain; pull verifies and says so.
     proc = dcr("pull", url, "--since", "step-2", "-o", str(tmp_path / "p"), check=True)
-    assert "path: shortcut step-2->step-6 + chain step-6->step-7" in proc.stdout
+    assert "path: shortcut step-2..step-6 + chain step-6..step-7" in proc.stdout
     recv = copy_checkpoint(ck / "step-2", tmp_path / "recv")
     dcr("apply", str(tmp_path / "p"), "--into", str(recv), check=True)
     assert read_raw(recv) == read_raw(ck / "step-7")
     # The same without a local copy: apply STORE --since reads the chosen deltas in place.
     recv2 = copy_checkpoint(ck / "step-2", tmp_path / "recv2")
     proc = dcr("apply", url, "--since", "step-2", "--into", str(recv2), check=True)
-    assert "shortcut step-2->step-6" in proc.stdout
+    assert "shortcut step-2..step-6" in proc.stdout
     assert read_raw(recv2) == read_raw(ck / "step-7")
 
     # A receiver with no state joins from the keyframe and follows the chain.
