@@ -116,3 +116,26 @@ def test_gather_reads_what_numpy_reads(case: tuple[np.ndarray, ...], strided: bo
 def test_gather_refuses_an_index_outside_the_storage(bad: int) -> None:
     with pytest.raises(IndexError, match="outside the storage"):
         gather(np.zeros(10, dtype=np.int16), np.array([1, bad], dtype=np.int64))
+
+
+def test_a_waiting_receiver_loads_the_write_kernels_before_the_publication() -> None:
+    """``apply --wait`` warms up before it waits (receive.checkpoint.warm_up): the scatter kernels for
+    every element width are then loaded, so the published delta's compile_writes finds them and the
+    refit's critical path does not load them (tenths of a second measured there). In a fresh
+    interpreter, where nothing else loaded them."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import numpy as np\n"
+        "from dcr_cli.format import kernels\n"
+        "from dcr_cli.receive.checkpoint import warm_up\n"
+        "assert not kernels._scatter.signatures\n"
+        "warm_up()\n"
+        "for k in (kernels._scatter, kernels._scatter_checked, kernels._gather):\n"
+        "    got = {(str(s[0].dtype), str(s[1].dtype)) for s in k.signatures}\n"
+        "    want = {(w, i) for w in ('uint8', 'uint16', 'uint32', 'uint64') for i in ('int32', 'int64')}\n"
+        "    assert want <= got, (k, sorted(got))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

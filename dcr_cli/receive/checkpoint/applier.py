@@ -777,6 +777,10 @@ def warm_up() -> None:
         dt = lookup_dtype(name)
         values = np.arange(4, dtype=dt.uint)
         codec.decode_values(codec.encode_values(values), len(values), dt, "warm-up")
+    # The writes' kernels for every element width (compile_writes loads those a delta needs once it
+    # is published: tenths of a second on the refit's critical path, unless they are loaded now).
+    for uint in (np.uint8, np.uint16, np.uint32, np.uint64):
+        compile_scatter(np.dtype(uint))
 
 
 @fewer_collections()
