@@ -536,3 +536,47 @@ def compile_scatter(dtype: np.dtype) -> None:
         _scatter(empty, np.zeros(0, dtype=index), empty)
         _scatter_checked(empty, np.zeros(0, dtype=index), empty)
         _gather(empty, np.zeros(0, dtype=index), empty)
+
+
+# --------------------------------------------------------------------------- write runs (on-disk receiver)
+
+
+@numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
+def _run_bounds(index, local, stride, gap, cap, out):  # pragma: no cover - compiled
+    # ``index`` and ``local`` ascend, so "a new block of cap" and "a new stretch of stride" are each
+    # one comparison with a limit recomputed only where it is crossed: no division per element.
+    n = index.shape[0]
+    segmented = local.shape[0] == n
+    k = 1
+    out[0] = 0
+    prev = index[0]
+    limit = (prev // cap + 1) * cap
+    stretch_end = (local[0] // stride + 1) * stride if segmented else 0
+    for i in range(1, n):
+        at = index[i]
+        cut = at - prev > gap or at >= limit
+        if segmented and local[i] >= stretch_end:
+            cut = True
+            stretch_end = (local[i] // stride + 1) * stride
+        if cut:
+            out[k] = i
+            k += 1
+            limit = (at // cap + 1) * cap
+        prev = at
+    out[k] = n
+    return k + 1
+
+
+def run_bounds(index: np.ndarray, local: np.ndarray | None, stride: int, gap: int, cap: int) -> np.ndarray:
+    """Where ascending ``index`` splits into runs, in one pass: [0, cuts..., len(index)]. A run ends
+    where the next index is more than ``gap`` past it or in another block of ``cap``; with ``local``
+    (the ascending positions the indices came from), also where ``local // stride`` changes."""
+    if index.ndim != 1 or index.size == 0:
+        raise ValueError("run_bounds: a non-empty 1-D index")
+    if local is None:
+        local = index[:0]
+    elif local.shape != index.shape:
+        raise ValueError("run_bounds: local positions must match the index")
+    out = np.empty(index.size + 1, dtype=np.int64)
+    count = _run_bounds(index, local, max(1, stride), gap, max(1, cap), out)
+    return out[:count].copy()

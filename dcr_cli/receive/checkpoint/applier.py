@@ -39,7 +39,7 @@ from ...delta.reader import Delta, DeltaLike, open_deltas
 from ...errors import DcrError, IncompatibleError, IntegrityError, VerifyFailed
 from ...format.digest import digest_bytes
 from ...format.dtypes import dtype as lookup_dtype
-from ...format.kernels import compile_scatter
+from ...format.kernels import compile_scatter, run_bounds
 from ...format.kernels import scatter as scatter_into
 from ...format.manifest import Item, Manifest, TensorEntry, fingerprint
 from ...io.gc_pause import fewer_collections, no_collections
@@ -274,11 +274,11 @@ def _place(delta: Delta, item: Item, files: InPlaceFiles) -> tuple[np.ndarray, n
     index = receiver_plan.canonical_index(item.region, decoded.positions, loc.shape)
     runs: list[Run] = []
     if isinstance(index, np.ndarray):
-        segment = None  # a flat range is one contiguous stretch of the tensor
+        local, stride = None, 1  # a flat range is one contiguous stretch of the tensor
         if item.region.is_box:
             local = decoded.positions if decoded.positions is not None else np.arange(item.region.size)
-            segment = local // receiver_plan.contiguous_run(item.region, loc.shape)
-        runs = runs_of(index, segment, decoded.values.dtype.itemsize)
+            stride = receiver_plan.contiguous_run(item.region, loc.shape)
+        runs = runs_of(index, local, stride, decoded.values.dtype.itemsize)
     return decoded.values, index, runs
 
 
@@ -781,6 +781,8 @@ def warm_up() -> None:
     # is published: tenths of a second on the refit's critical path, unless they are loaded now).
     for uint in (np.uint8, np.uint16, np.uint32, np.uint64):
         compile_scatter(np.dtype(uint))
+    run_bounds(positions, None, 1, 1, 1 << 20)  # how items split into runs, with and without stretches
+    run_bounds(positions, positions, 2, 1, 1 << 20)
 
 
 @fewer_collections()

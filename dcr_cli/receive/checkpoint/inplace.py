@@ -36,6 +36,7 @@ from ...errors import IntegrityError
 from ...format.codec import small_bytes
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import dtype as lookup_dtype
+from ...format.kernels import run_bounds
 from ...format.kernels import scatter as scatter_into
 from ...format.manifest import TensorEntry, make_entry
 from ...io.files import start_writeback
@@ -85,21 +86,20 @@ class Run:
         return self.hi - self.lo == self.last - self.first + 1
 
 
-def runs_of(index: np.ndarray, segment: np.ndarray | None, itemsize: int) -> list[Run]:
-    """Split sorted canonical ``index`` into runs; ``segment`` ids mark contiguous stretches of the region
-    (None: the region is one stretch, as a flat range is)."""
+def runs_of(index: np.ndarray, local: np.ndarray | None, stride: int, itemsize: int) -> list[Run]:
+    """Split sorted canonical ``index`` into runs. With ``local`` (the item's ascending region-local
+    positions), a run also ends where ``local // stride`` changes: ``stride`` elements of the region
+    are one contiguous stretch of the tensor (None: the region is one stretch, as a flat range is)."""
     if index.size == 0:
         return []
     gap, cap = max(1, GAP_BYTES // itemsize), max(1, RUN_BYTES // itemsize)
     first, last = int(index[0]), int(index[-1])
-    if last - first <= gap and first // cap == last // cap and (segment is None or segment[0] == segment[-1]):
-        # No cut anywhere (every step is within the span; segments and caps only grow): one run,
-        # without the three passes below (the common case of a small item).
+    one_stretch = local is None or int(local[0]) // stride == int(local[-1]) // stride
+    if last - first <= gap and first // cap == last // cap and one_stretch:
+        # No cut anywhere (every step is within the span; stretches and caps only grow): one run,
+        # without a pass (the common case of a small item).
         return [Run(first, last, 0, int(index.size))]
-    cut = (np.diff(index) > gap) | (np.diff(index // cap) != 0)
-    if segment is not None:
-        cut |= np.diff(segment) != 0
-    bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), int(index.size)]
+    bounds = run_bounds(index, local, stride, gap, cap).tolist()
     return [Run(int(index[lo]), int(index[hi - 1]), lo, hi) for lo, hi in itertools.pairwise(bounds)]
 
 
