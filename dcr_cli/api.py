@@ -171,12 +171,15 @@ def apply_vllm(
     wait: float | None = None,
     on_wait: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Apply a chain of deltas to the vLLM server at ``url``; returns {vllm, version, fingerprint, steps}.
+    """Apply a chain of deltas to the vLLM server at ``url``; returns {vllm, version, fingerprint, steps,
+    fetched_early}.
 
     ``deltas``, ``version``, ``since`` and ``wait`` are those of :func:`apply`. A store URL is resolved
     here, with ``storage_options``; the engine's workers then read the chosen manifests by their store
     locations (``STORE/manifests/<digest>.json``) with the engine's own fsspec configuration, and fetch
-    and check every block before the engine is paused (receiver-vllm.md §7). ``verify``: then read
+    and check every block before the engine is paused (receiver-vllm.md §7). With ``wait``, the blocks
+    the push announces are fetched here while it runs (``fetched_early`` of them), and an engine on this
+    node reads them from here instead of the store. ``verify``: then read
     back every tensor of the engine, not only the touched ones the apply proved (``dcr verify --vllm``).
     """
     from .receive.vllm import apply_chain_to_server, verify_server
@@ -185,7 +188,11 @@ def apply_vllm(
     if wait is not None and since is not None:
         raise DcrError("--wait and --since do not go together: --wait waits for one --version")
     chosen = _catch_up(deltas, since, version, storage_options, log) if since is not None else None
-    opened = chosen if chosen is not None else resolve(deltas, version, storage_options, wait, on_wait)
+    # Waiting, the blocks the push announces are fetched meanwhile and offered to the engine (an engine on this node).
+    opened = chosen if chosen is not None else resolve(deltas, version, storage_options, wait, on_wait, True)
+    early = sum(d.fetched_early for d in opened if isinstance(d, Delta))
+    if log and early:
+        log(f"{version}: {early} blocks fetched while its push was still running")
     # The engine's workers open the deltas themselves: local paths are made absolute.
     located = [d if isinstance(d, Delta) or "://" in os.fspath(d) else os.path.abspath(d) for d in opened]
     order = receiver_plan.engine_chain(expand_deltas(located))
@@ -199,7 +206,13 @@ def apply_vllm(
         _acknowledge(ack, receiver, target.version, target.fingerprint, storage_options, opened)
         if log:
             log(f"acknowledged {target.version} as {receiver!r} on {ack}")
-    return {"vllm": url, "version": target.version, "fingerprint": target.fingerprint, "steps": steps}
+    return {
+        "vllm": url,
+        "version": target.version,
+        "fingerprint": target.fingerprint,
+        "steps": steps,
+        "fetched_early": early,
+    }
 
 
 def verify(

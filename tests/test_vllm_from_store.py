@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, require_or_skip
@@ -20,6 +21,7 @@ require_or_skip("vllm")  # under CI a missing vLLM fails the run
 from vllm_support import get_json, qwen3_run, served
 
 from dcr_cli.delta.reader import Delta
+from dcr_cli.store.streaming import BlockUploader
 
 pytestmark = pytest.mark.vllm
 
@@ -50,6 +52,11 @@ def _engine_fetches(proxy: CountingProxy, since: dict) -> dict:
     return {k: n - since.get(k, 0) for k, n in now.items() if n - since.get(k, 0)}
 
 
+def _gets(proxy: CountingProxy, block_id: str) -> int:
+    with proxy.lock:
+        return sum(n for (method, path), n in proxy.requests.items() if method == "GET" and path.endswith(block_id))
+
+
 def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_url, engine_proxy, dcr):
     root = chain[0].parent
     env = s3_endpoint.env()  # the client reaches moto directly: the proxy counts the engine alone
@@ -74,23 +81,41 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
     dcr("commit", s3_url, "step-1", "--receiver", "east", *store, env=env, check=True)  # exit 4 without east's ack
 
     # 2. Started before the producer publishes: it waits, then applies, verifies every tensor and acks.
+    #    Meanwhile it fetches the data blocks the push announces (as `dcr diff --push` does, store-v1
+    #    §4.6), and the engine, on this node, reads them from the client's spool: none from the store.
+    client_proxy = CountingProxy(s3_endpoint.url)
     waiting = subprocess.Popen(
         [sys.executable, "-m", "dcr_cli", "apply", s3_url, "--version", "step-2", "--wait", "300",
-         "--vllm", server, "--verify", "--ack", s3_url, "--receiver", "east", *store],
+         "--vllm", server, "--verify", "--ack", s3_url, "--receiver", "east", "-S", f"endpoint_url={client_proxy.url}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
+    data = [b for b in Delta.open(root / "d2").manifest.blocks if b.role == "data"]
     try:
         assert waiting.stderr is not None
         line = waiting.stderr.readline()
         assert line.startswith("waiting up to 300 s for"), line
         assert get_json(server + "/weight_info")["weight_version"] == "step-1"  # nothing happens before the push
+        uploader = BlockUploader(s3_url, s3_endpoint.storage_options, announce="step-2")
+        for block in data:
+            uploader(block.id, (root / "d2" / block.path).read_bytes())
+        uploader.wait()
+        deadline = time.monotonic() + 120
+        while not all(_gets(client_proxy, b.id) for b in data):
+            assert time.monotonic() < deadline, "the waiting client did not fetch the announced blocks"
+            time.sleep(0.05)
+        before = dict(engine_proxy.requests)
         dcr("push", str(root / "d2"), s3_url, *store, env=env, check=True)
         out, err = waiting.communicate(timeout=300)
     finally:
         waiting.kill()
+        client_proxy.close()
     assert waiting.returncode == 0, err
     assert "vLLM engine at version step-2" in out and "tensors of the vLLM engine match" in out, out
+    assert f"step-2: the engine read {len(data)} of the {len(data)} blocks fetched early" in out, out
     assert get_json(server + "/weight_info")["weight_version"] == "step-2"
+    fetched = _engine_fetches(engine_proxy, before)
+    assert not [p for (method, p), _ in fetched.items() if method == "GET" and "/blocks/" in p], fetched
+    assert all(_gets(client_proxy, b.id) == 1 for b in data)  # and the client fetched each once
 
     # 3. Fail closed, the engine untouched and serving: a version that is not published in time (exit 4),
     #    a version whose base the engine does not hold (exit 2), an option the engine has no use for.

@@ -306,6 +306,13 @@ class BlockFetcher:
         for block_id in self._blocks:
             self.wait_block(block_id)
 
+    def arrived_file(self, block_id: str) -> str | None:
+        """The spool file of a block that has arrived whole and been checked; None if it has not, or if this
+        fetcher keeps its blocks in memory (no ``spool``)."""
+        with self._cond:
+            block = self._blocks[block_id]
+            return block.path if self._spool is not None and block.done else None
+
     @property
     def complete(self) -> bool:
         """Whether every block has arrived whole and been checked."""
@@ -318,17 +325,19 @@ class BlockFetcher:
             self._cancelled = True
             self._cond.notify_all()
 
-    def keep(self, block_id: str, dest: str | os.PathLike[str]) -> None:
-        """Spooled fetchers: once the block is checked whole, make its file durable and rename it to ``dest``."""
+    def keep(self, block_id: str, dest: str | os.PathLike[str], *, durable: bool = True) -> None:
+        """Spooled fetchers: once the block is checked whole, make its file durable (unless ``durable`` is
+        False: a copy that does not outlive its process's node) and rename it to ``dest``."""
         assert self._spool is not None, "keep() needs a spool directory"
         self.wait_block(block_id)
         block = self._blocks[block_id]
         assert block.path is not None
-        fd = os.open(block.path, os.O_RDONLY)  # every range has been written: fsync covers the file's data
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if durable:
+            fd = os.open(block.path, os.O_RDONLY)  # every range has been written: fsync covers the file's data
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(block.path, dest)
         block.path = None
 

@@ -19,6 +19,7 @@ a whole apply fetches every data block once, repair blocks only when a torn item
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,7 @@ from ..errors import DcrError, FormatError, IntegrityError
 from ..format.digest import digest_bytes
 from ..format.dtypes import dtype as lookup_dtype
 from ..format.manifest import (
+    BLOCKS_DIR,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     SECTION_DIGEST_BYTES,
@@ -288,6 +290,28 @@ class Delta:
         e.g. while a receiver waited for the version (store/announce.py). Its blocks are checked whole by
         the fetcher, against their ids, as :meth:`prefetch_blocks`' are."""
         self._fetchers.append(fetcher)
+
+    def early_blocks(self) -> str | None:
+        """A directory where another process of this node (a vLLM engine's workers) finds the blocks that
+        arrived whole and checked in an adopted fetcher's spool (fetched while a receiver waited for the
+        version, store/announce.py), as ``blocks/<id>`` (hard links: the spool keeps its own files); None
+        if there are none, or if they cannot be linked (the reader then fetches them itself: a hint only).
+        The directory goes with the spool, when this delta does."""
+        spool: str | None = None
+        try:
+            for fetcher in self._fetchers:
+                for block_id in fetcher.ids:
+                    path = fetcher.arrived_file(block_id)
+                    if path is None or (spool is not None and os.path.dirname(path) != spool):
+                        continue
+                    spool = os.path.dirname(path)
+                    directory = os.path.join(spool, BLOCKS_DIR)
+                    os.makedirs(directory, exist_ok=True)
+                    with contextlib.suppress(FileExistsError):
+                        os.link(path, os.path.join(directory, block_id))
+        except OSError:
+            return None
+        return spool
 
     def cancel_fetches(self) -> None:
         """Stop background downloads (a receiver that failed no longer needs them); blocks that had not

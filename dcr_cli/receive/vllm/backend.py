@@ -56,7 +56,7 @@ from ...format.manifest import TensorEntry
 from ...format.strict_json import load_json
 from .apply import EngineReceiver, Exchange, single_rank
 from .client import open_in_frozen_heap
-from .node_copy import download_data_blocks, read_through_copy
+from .node_copy import adopt_early_blocks, download_data_blocks, read_through_copy
 
 BACKEND_NAME = "dcr"
 RPC_METHOD = "dcr_rpc"
@@ -113,9 +113,12 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         # fetchers), so the pause fetches nothing again and parses no manifest again.
         self.prepared: tuple[str, Delta] | None = None
         self.spool: str | None = None  # the node-local copy of a remote delta's blocks this rank made (open_delta)
+        self.early_blocks = 0  # data blocks the last open_delta took from the client's early fetch (one rank)
 
-    def open_delta(self, location: str) -> Delta:
-        """The delta at ``location``, as this rank reads it.
+    def open_delta(self, location: str, early: str | None = None) -> Delta:
+        """The delta at ``location``, as this rank reads it; ``early``: a directory of this node's where
+        the client offers data blocks it fetched while it waited for the version (node_copy.early_blocks),
+        read from there instead of the store where they are intact.
 
         On one rank, or for a delta on this node's filesystem, that is the delta itself. A remote
         delta on several ranks (tensor parallel): the first rank of each node downloads its data
@@ -129,12 +132,17 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self.drop_spool()
         receiver = self.receiver
         delta = receiver.agree(lambda: open_in_frozen_heap(location))
-        if receiver.single or not delta.source.remote or not all(receiver.exchange(self._reads_blocks(delta))):
+        self.early_blocks = 0
+        if receiver.single:
+            if delta.source.remote and self._reads_blocks(delta):
+                self.early_blocks = adopt_early_blocks(delta, early)
+            return delta
+        if not delta.source.remote or not all(receiver.exchange(self._reads_blocks(delta))):
             return delta
         hosts = receiver.exchange(socket.gethostname())
         leader = min(r for r, host in enumerate(hosts) if host == hosts[receiver.rank])
         try:
-            made = receiver.agree(lambda: download_data_blocks(delta) if receiver.rank == leader else None)
+            made = receiver.agree(lambda: download_data_blocks(delta, early) if receiver.rank == leader else None)
             if receiver.rank == leader:
                 self.spool = made
             directory = receiver.exchange(made)[leader]
@@ -296,7 +304,10 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
         return {"ok": True, "mode": mode, "state": receiver.state.to_json()}
     if op == "prepare":  # check, and the first pass staged for the update that follows
         engine.prepared = None
-        delta = engine.open_delta(args["delta"])
+        early = args.get("early")
+        if early is not None and not isinstance(early, str):
+            raise DcrError("dcr_rpc prepare: early must be a directory path")
+        delta = engine.open_delta(args["delta"], early)
         try:
             mode = receiver.prepare(delta)
         except BaseException:
@@ -308,7 +319,13 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
             engine.drop_spool()
         else:
             engine.prepared = (args["delta"], delta)
-        return {"ok": True, "mode": mode, "state": receiver.state.to_json(), "session_open": _session_open(wrapper)}
+        return {
+            "ok": True,
+            "mode": mode,
+            "state": receiver.state.to_json(),
+            "session_open": _session_open(wrapper),
+            "early_blocks": engine.early_blocks,
+        }
     if op == "verify":
         table = None
         if args.get("delta"):

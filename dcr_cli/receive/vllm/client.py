@@ -305,7 +305,14 @@ def _release(engine: Engine) -> None:
 def _apply_claimed(engine: Engine, location: str, opened: Delta, log: Callable[[str], None] | None) -> dict[str, Any]:
     target = opened.manifest.target.version
     started = time.perf_counter()
-    answers = engine.rpc("prepare", delta=location)  # raises before anything is touched
+    # Blocks this client fetched while it waited for the version (apply --wait): offered to the engine's
+    # workers, which take the intact ones from here if they run on this node (receiver-vllm.md §7).
+    early = opened.early_blocks()
+    offer = {"early": early} if early is not None else {}
+    answers = engine.rpc("prepare", delta=location, **offer)  # raises before anything is touched
+    if early is not None and log:
+        taken = max(int(a.get("early_blocks") or 0) for a in answers)
+        log(f"{target}: the engine read {taken} of the {opened.fetched_early} blocks fetched early from this node")
     modes = {a["mode"] for a in answers}
     prepare_seconds = time.perf_counter() - started
     if modes == {"noop"}:

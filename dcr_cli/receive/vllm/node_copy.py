@@ -12,6 +12,7 @@ before. The backend (backend.py ``open_delta``) runs the steps as agreed phases 
 from __future__ import annotations
 
 import os
+import stat
 
 import fsspec
 
@@ -54,9 +55,51 @@ def data_blocks(delta: Delta) -> list[BlockEntry]:
     return list({b.id: b for b in delta.manifest.blocks if b.role == "data"}.values())
 
 
-def download_data_blocks(delta: Delta) -> str | None:
+def early_blocks(delta: Delta, early: str | None) -> list[BlockEntry]:
+    """``delta``'s data blocks that the directory ``early`` offers as ``blocks/<id>``, regular files of the
+    size the manifest lists (their digests are checked as they are read). ``early`` is what the client
+    passed to ``prepare``: the blocks it fetched while it waited for the version (receiver-vllm.md §7),
+    on this node's filesystem if the engine runs here; a directory this rank cannot see offers none."""
+    if not early or not os.path.isabs(early):
+        return []
+    offered = []
+    for block in data_blocks(delta):
+        try:
+            info = os.lstat(os.path.join(early, block.path))
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_size == block.size:
+            offered.append(block)
+    return offered
+
+
+def adopt_early_blocks(delta: Delta, early: str | None) -> int:
+    """Let ``delta`` read the data blocks ``early`` offers (:func:`early_blocks`) from there instead of its
+    source: each read whole and checked (size and digest) now, before the first pass, and kept by its
+    fetcher; one that fails its check is dropped and fetched from the source as usual. How many were taken."""
+    offered = early_blocks(delta, early)
+    if not offered:
+        return 0
+    assert early is not None
+    local = BlockSource(fsspec.filesystem("file"), early, label=f"{early} (blocks the client fetched early)")
+    fetchers = [(block, BlockFetcher(local, [block], workers=1)) for block in offered]
+    taken = 0
+    for block, fetcher in fetchers:
+        try:
+            fetcher.wait_block(block.id)
+        except Exception:  # removed meanwhile, damaged: the source has it
+            fetcher.abandon()
+            continue
+        delta.adopt_fetcher(fetcher)
+        taken += 1
+    return taken
+
+
+def download_data_blocks(delta: Delta, early: str | None = None) -> str | None:
     """A new private directory holding ``delta``'s data blocks, each checked whole; None where this node
     cannot hold them (no usable temporary directory, a full disk): its ranks then read the delta where it is.
+    The blocks that ``early`` offers (:func:`early_blocks`) are copied from there, the rest downloaded; an
+    offered block that fails its check is downloaded after all.
 
     A block that is missing, truncated or corrupt at the source raises (IntegrityError), as reading it would.
     Copies that killed engines of this user left behind are removed first (:func:`sweep_stale_copies`).
@@ -68,10 +111,20 @@ def download_data_blocks(delta: Delta) -> str | None:
         return None
     try:
         os.mkdir(os.path.join(directory, BLOCKS_DIR))
-        blocks = data_blocks(delta)
+        offered = {b.id for b in early_blocks(delta, early)}
+        blocks = [b for b in data_blocks(delta) if b.id not in offered]
+        if offered:
+            assert early is not None
+            local = BlockSource(fsspec.filesystem("file"), early, label=f"{early} (blocks the client fetched early)")
+            with BlockFetcher(local, [b for b in data_blocks(delta) if b.id in offered], spool=directory) as copier:
+                for block_id in copier.ids:
+                    try:
+                        copier.keep(block_id, os.path.join(directory, BLOCKS_DIR, block_id), durable=False)
+                    except DcrError:  # damaged or gone there: the source has it
+                        blocks.append(copier.entry(block_id))
         with BlockFetcher(delta.source, blocks, spool=directory) as fetcher:
             for block in blocks:  # kept (renamed into blocks/) only once its size and digest are checked
-                fetcher.keep(block.id, os.path.join(directory, block.path))
+                fetcher.keep(block.id, os.path.join(directory, block.path), durable=False)  # dies with the engine
         return directory
     except OSError:  # not DcrError: a bad block fails the apply on every rank
         private.remove_own(directory)

@@ -1,0 +1,114 @@
+"""receive/vllm/node_copy.py: the data blocks a waiting client fetched early, offered to the engine.
+
+A client that waits for a version (``apply STORE --version V --wait S --vllm URL``) fetches the blocks
+its push announces while it runs, and offers the engine its spool directory; an engine on the same
+node reads the intact ones from there instead of the store, on one rank (``adopt_early_blocks``) and
+into its node copy on several (``download_data_blocks``). Without an engine (tests/test_vllm_from_store.py
+runs the whole path in a live vLLM server): a real S3 endpoint (moto) behind a proxy that counts
+requests, and a delta of many small blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_dcr
+from store_fixtures import CountingProxy, S3Endpoint, big_delta
+
+from dcr_cli.delta.reader import Delta
+from dcr_cli.format.manifest import BlockEntry
+from dcr_cli.receive.vllm import node_copy
+
+
+@pytest.fixture
+def remote(
+    tmp_path: Path, s3_endpoint: S3Endpoint, s3_url: str
+) -> Iterator[tuple[Path, Callable[[], Delta], CountingProxy]]:
+    """A delta of 16 data blocks published on an S3 store; a function opening it by its store location
+    through a counting proxy."""
+    local = big_delta(tmp_path, sparse=True)
+    run_dcr("push", str(local), s3_url, "-S", f"endpoint_url={s3_endpoint.url}", env=s3_endpoint.env(), check=True)
+    proxy = CountingProxy(s3_endpoint.url)
+    location = f"{s3_url}/manifests/{Delta.open(local).id}.json"
+    options = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        yield local, lambda: Delta.open(location, storage_options=options), proxy
+    finally:
+        proxy.close()
+
+
+def _gets(proxy: CountingProxy, block_id: str) -> int:
+    with proxy.lock:
+        return sum(n for (method, path), n in proxy.requests.items() if method == "GET" and path.endswith(block_id))
+
+
+def _offer(local: Path, early: Path) -> tuple[list[BlockEntry], dict[str, int]]:
+    """An early directory as a client leaves it, with some of its hazards: an intact block, a damaged
+    one of the right size, a truncated one, a link to an intact one (not a regular file), and the
+    rest absent. Returns the data blocks and the store GETs each should cost the engine."""
+    blocks = [b for b in Delta.open(local).manifest.blocks if b.role == "data"]
+    intact, damaged, truncated, linked = blocks[:4]
+    (early / "blocks").mkdir(parents=True)
+    shutil.copy(local / intact.path, early / intact.path)
+    raw = bytearray((local / damaged.path).read_bytes())
+    raw[len(raw) // 2] ^= 1
+    (early / damaged.path).write_bytes(bytes(raw))
+    (early / truncated.path).write_bytes((local / truncated.path).read_bytes()[:-1])
+    shutil.copy(local / linked.path, early / "elsewhere")
+    os.symlink(early / "elsewhere", early / linked.path)
+    return blocks, {b.id: (0 if b is intact else 1) for b in blocks}
+
+
+def _decodes_as(delta: Delta, local: Path) -> None:
+    want = Delta.open(local)
+    for item in delta.manifest.items:  # section digests checked on the way
+        assert np.array_equal(delta.decode(item).values, want.decode(item).values)
+
+
+def test_one_rank_reads_the_intact_offered_blocks_there_and_the_rest_from_the_store(
+    remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path
+) -> None:
+    local, open_remote, proxy = remote
+    blocks, gets = _offer(local, tmp_path / "early")
+    delta = open_remote()
+    assert node_copy.adopt_early_blocks(delta, str(tmp_path / "early")) == 1
+    delta.verify_blocks()  # the rest fetched (each checked whole) as without an offer
+    _decodes_as(delta, local)
+    assert {b.id: _gets(proxy, b.id) for b in blocks} == gets
+
+
+@pytest.mark.parametrize("offer", [None, "", "relative/early", "/nonexistent/dcr-early"])
+def test_no_usable_offer_takes_nothing(
+    remote: tuple[Path, Callable[[], Delta], CountingProxy], offer: str | None, tmp_path: Path, monkeypatch
+) -> None:
+    local, open_remote, proxy = remote
+    blocks, _ = _offer(local, tmp_path / "relative" / "early")
+    monkeypatch.chdir(tmp_path)  # a relative path is refused even where it would resolve
+    delta = open_remote()
+    assert node_copy.adopt_early_blocks(delta, offer) == 0
+    delta.verify_blocks()
+    assert all(_gets(proxy, b.id) == 1 for b in blocks)
+
+
+def test_the_node_copy_takes_the_intact_offered_blocks_and_downloads_the_rest(
+    remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path
+) -> None:
+    local, open_remote, proxy = remote
+    blocks, gets = _offer(local, tmp_path / "early")
+    directory = node_copy.download_data_blocks(open_remote(), str(tmp_path / "early"))
+    assert directory is not None
+    try:
+        assert {b.id: _gets(proxy, b.id) for b in blocks} == gets
+        for b in blocks:  # the copy holds every data block, intact, as regular files
+            assert (Path(directory) / b.path).read_bytes() == (local / b.path).read_bytes()
+            assert not (Path(directory) / b.path).is_symlink()
+        assert sorted(os.listdir(directory)) == [".lock", "blocks"]  # no part file left behind
+        _decodes_as(node_copy.read_through_copy(open_remote(), directory), local)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert (tmp_path / "early" / blocks[0].path).exists()  # the offer is the client's: left as it was
