@@ -2,8 +2,8 @@
 
 A client that waits for a version (``apply STORE --version V --wait S --vllm URL``) fetches the blocks
 its push announces while it runs, and offers the engine its spool directory; an engine on the same
-node reads the intact ones from there instead of the store, on one rank (``adopt_early_blocks``) and
-into its node copy on several (``download_data_blocks``). Without an engine (tests/test_vllm_from_store.py
+node hard-links the intact ones from there into its node copy (``download_data_blocks``) and downloads
+only the rest. Without an engine (tests/test_vllm_from_store.py
 runs the whole path in a live vLLM server): a real S3 endpoint (moto) behind a proxy that counts
 requests, and a delta of many small blocks.
 """
@@ -70,18 +70,6 @@ def _decodes_as(delta: Delta, local: Path) -> None:
         assert np.array_equal(delta.decode(item).values, want.decode(item).values)
 
 
-def test_one_rank_reads_the_intact_offered_blocks_there_and_the_rest_from_the_store(
-    remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path
-) -> None:
-    local, open_remote, proxy = remote
-    blocks, gets = _offer(local, tmp_path / "early")
-    delta = open_remote()
-    assert node_copy.adopt_early_blocks(delta, str(tmp_path / "early")) == 1
-    delta.verify_blocks()  # the rest fetched (each checked whole) as without an offer
-    _decodes_as(delta, local)
-    assert {b.id: _gets(proxy, b.id) for b in blocks} == gets
-
-
 @pytest.mark.parametrize("offer", [None, "", "relative/early", "/nonexistent/dcr-early"])
 def test_no_usable_offer_takes_nothing(
     remote: tuple[Path, Callable[[], Delta], CountingProxy], offer: str | None, tmp_path: Path, monkeypatch
@@ -90,25 +78,39 @@ def test_no_usable_offer_takes_nothing(
     blocks, _ = _offer(local, tmp_path / "relative" / "early")
     monkeypatch.chdir(tmp_path)  # a relative path is refused even where it would resolve
     delta = open_remote()
-    assert node_copy.adopt_early_blocks(delta, offer) == 0
-    delta.verify_blocks()
-    assert all(_gets(proxy, b.id) == 1 for b in blocks)
+    assert node_copy.early_blocks(delta, offer) == []
+    directory = node_copy.download_data_blocks(delta, offer)
+    assert directory is not None
+    try:
+        assert node_copy.taken_early(directory, offer) == 0
+        assert all(_gets(proxy, b.id) == 1 for b in blocks)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_the_node_copy_takes_the_intact_offered_blocks_and_downloads_the_rest(
+def test_the_copy_links_the_intact_offered_blocks_and_downloads_the_rest(
     remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path
 ) -> None:
     local, open_remote, proxy = remote
-    blocks, gets = _offer(local, tmp_path / "early")
-    directory = node_copy.download_data_blocks(open_remote(), str(tmp_path / "early"))
+    early = tmp_path / "early"
+    blocks, gets = _offer(local, early)
+    assert [b.id for b in node_copy.early_blocks(open_remote(), str(early))] == [
+        b.id for b in blocks[:2]
+    ]  # right size, regular
+    directory = node_copy.download_data_blocks(open_remote(), str(early))
     assert directory is not None
     try:
         assert {b.id: _gets(proxy, b.id) for b in blocks} == gets
+        copy = Path(directory)
         for b in blocks:  # the copy holds every data block, intact, as regular files
-            assert (Path(directory) / b.path).read_bytes() == (local / b.path).read_bytes()
-            assert not (Path(directory) / b.path).is_symlink()
+            assert (copy / b.path).read_bytes() == (local / b.path).read_bytes()
+            assert not (copy / b.path).is_symlink()
+        # The intact offer is linked, not copied (no space taken); the others are the copy's own files.
+        assert os.path.samefile(copy / blocks[0].path, early / blocks[0].path)
+        assert not any(os.path.samefile(copy / b.path, early / b.path) for b in blocks[1:3])
+        assert node_copy.taken_early(directory, str(early)) == 1
         assert sorted(os.listdir(directory)) == [".lock", "blocks"]  # no part file left behind
         _decodes_as(node_copy.read_through_copy(open_remote(), directory), local)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    assert (tmp_path / "early" / blocks[0].path).exists()  # the offer is the client's: left as it was
+    assert (early / blocks[1].path).exists()  # the offer is the client's: left as it was

@@ -90,7 +90,7 @@ def command(
             log=None if as_json else say,
         )
         if as_json:
-            emit_json({"vllm": vllm_url, "steps": engine["steps"]})
+            emit_json({"vllm": vllm_url, "steps": engine["steps"], "fetched_early": engine["fetched_early"]})
         return
     assert into is not None
     try:

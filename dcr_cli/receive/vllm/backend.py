@@ -56,7 +56,7 @@ from ...format.manifest import TensorEntry
 from ...format.strict_json import load_json
 from .apply import EngineReceiver, Exchange, single_rank
 from .client import open_in_frozen_heap
-from .node_copy import adopt_early_blocks, download_data_blocks, read_through_copy
+from .node_copy import download_data_blocks, early_blocks, read_through_copy, taken_early
 
 BACKEND_NAME = "dcr"
 RPC_METHOD = "dcr_rpc"
@@ -113,14 +113,15 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         # fetchers), so the pause fetches nothing again and parses no manifest again.
         self.prepared: tuple[str, Delta] | None = None
         self.spool: str | None = None  # the node-local copy of a remote delta's blocks this rank made (open_delta)
-        self.early_blocks = 0  # data blocks the last open_delta took from the client's early fetch (one rank)
+        self.early_blocks = 0  # data blocks the last open_delta took from the client's early fetch (node leaders)
 
     def open_delta(self, location: str, early: str | None = None) -> Delta:
         """The delta at ``location``, as this rank reads it; ``early``: a directory of this node's where
         the client offers data blocks it fetched while it waited for the version (node_copy.early_blocks),
         read from there instead of the store where they are intact.
 
-        On one rank, or for a delta on this node's filesystem, that is the delta itself. A remote
+        On one rank, or for a delta on this node's filesystem, that is the delta itself, unless the client
+        offers blocks (``early``): a node copy is then made of them (hard links) and the rest. A remote
         delta on several ranks (tensor parallel): the first rank of each node downloads its data
         blocks once, each checked whole, into a private node-local directory, and every rank of the
         node reads them there (node_copy.py), so an engine of N ranks per node moves the payload over
@@ -134,8 +135,13 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         delta = receiver.agree(lambda: open_in_frozen_heap(location))
         self.early_blocks = 0
         if receiver.single:
-            if delta.source.remote and self._reads_blocks(delta):
-                self.early_blocks = adopt_early_blocks(delta, early)
+            # Blocks the client offers (fetched while it waited): the rest joins them in a copy of this
+            # node's, taken before the first pass (a few blocks at most: the push announces every one).
+            if delta.source.remote and early_blocks(delta, early) and self._reads_blocks(delta):
+                made = download_data_blocks(delta, early)
+                if made is not None:
+                    self.spool, self.early_blocks = made, taken_early(made, early)
+                    return read_through_copy(delta, made)
             return delta
         if not delta.source.remote or not all(receiver.exchange(self._reads_blocks(delta))):
             return delta
@@ -145,6 +151,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             made = receiver.agree(lambda: download_data_blocks(delta, early) if receiver.rank == leader else None)
             if receiver.rank == leader:
                 self.spool = made
+                self.early_blocks = taken_early(made, early) if made is not None else 0
             directory = receiver.exchange(made)[leader]
             if not all(receiver.exchange(directory is not None and os.path.isdir(directory))):
                 self.drop_spool()

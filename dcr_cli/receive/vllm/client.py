@@ -310,8 +310,8 @@ def _apply_claimed(engine: Engine, location: str, opened: Delta, log: Callable[[
     early = opened.early_blocks()
     offer = {"early": early} if early is not None else {}
     answers = engine.rpc("prepare", delta=location, **offer)  # raises before anything is touched
+    taken = max(int(a.get("early_blocks") or 0) for a in answers)
     if early is not None and log:
-        taken = max(int(a.get("early_blocks") or 0) for a in answers)
         log(f"{target}: the engine read {taken} of the {opened.fetched_early} blocks fetched early from this node")
     modes = {a["mode"] for a in answers}
     prepare_seconds = time.perf_counter() - started
@@ -357,7 +357,7 @@ def _apply_claimed(engine: Engine, location: str, opened: Delta, log: Callable[[
     _guarded(engine, proven, lambda: _close(engine, target))
     pause_seconds = time.perf_counter() - paused
     report = dict(statuses[0].get("last_report") or {})
-    report.update(prepare_seconds=prepare_seconds, pause_seconds=pause_seconds)
+    report.update(prepare_seconds=prepare_seconds, pause_seconds=pause_seconds, early_blocks=taken)
     if log:
         log(
             f"vLLM engine at version {target}: {report.get('applied', 0)} items applied, "

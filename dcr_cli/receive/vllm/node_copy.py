@@ -11,9 +11,11 @@ before. The backend (backend.py ``open_delta``) runs the steps as agreed phases 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
+import blake3
 import fsspec
 
 from ...delta.prefetch import BlockFetcher
@@ -56,10 +58,10 @@ def data_blocks(delta: Delta) -> list[BlockEntry]:
 
 
 def early_blocks(delta: Delta, early: str | None) -> list[BlockEntry]:
-    """``delta``'s data blocks that the directory ``early`` offers as ``blocks/<id>``, regular files of the
-    size the manifest lists (their digests are checked as they are read). ``early`` is what the client
-    passed to ``prepare``: the blocks it fetched while it waited for the version (receiver-vllm.md §7),
-    on this node's filesystem if the engine runs here; a directory this rank cannot see offers none."""
+    """``delta``'s data blocks that the directory ``early`` offers as ``blocks/<id>``: regular files (not
+    symbolic links) of the size the manifest lists. ``early`` is what the client passed to ``prepare``:
+    the blocks it fetched while it waited for the version (receiver-vllm.md §7), on this node's
+    filesystem if the engine runs here; a directory this rank cannot see offers none."""
     if not early or not os.path.isabs(early):
         return []
     offered = []
@@ -73,33 +75,36 @@ def early_blocks(delta: Delta, early: str | None) -> list[BlockEntry]:
     return offered
 
 
-def adopt_early_blocks(delta: Delta, early: str | None) -> int:
-    """Let ``delta`` read the data blocks ``early`` offers (:func:`early_blocks`) from there instead of its
-    source: each read whole and checked (size and digest) now, before the first pass, and kept by its
-    fetcher; one that fails its check is dropped and fetched from the source as usual. How many were taken."""
-    offered = early_blocks(delta, early)
-    if not offered:
-        return 0
-    assert early is not None
-    local = BlockSource(fsspec.filesystem("file"), early, label=f"{early} (blocks the client fetched early)")
-    fetchers = [(block, BlockFetcher(local, [block], workers=1)) for block in offered]
-    taken = 0
-    for block, fetcher in fetchers:
+def _link_checked(source: str, block: BlockEntry, directory: str) -> bool:
+    """Hard-link the offered file ``source`` into ``directory`` as ``block.path`` once the linked file
+    is of the block's size and digest (no copy: the offer costs no space); False, leaving nothing, if
+    it cannot be linked (another filesystem, not this user's) or is not the block."""
+    part = os.path.join(directory, f".{block.id}.early")
+    try:
+        os.link(source, part, follow_symlinks=False)
         try:
-            fetcher.wait_block(block.id)
-        except Exception:  # removed meanwhile, damaged: the source has it
-            fetcher.abandon()
-            continue
-        delta.adopt_fetcher(fetcher)
-        taken += 1
-    return taken
+            info = os.lstat(part)
+            digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            if stat.S_ISREG(info.st_mode) and info.st_size == block.size:
+                digest.update_mmap(part)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != block.size or digest.hexdigest() != block.id:
+                os.unlink(part)
+                return False
+            os.replace(part, os.path.join(directory, block.path))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(part)
+            raise
+    except OSError:
+        return False
+    return True
 
 
 def download_data_blocks(delta: Delta, early: str | None = None) -> str | None:
     """A new private directory holding ``delta``'s data blocks, each checked whole; None where this node
     cannot hold them (no usable temporary directory, a full disk): its ranks then read the delta where it is.
-    The blocks that ``early`` offers (:func:`early_blocks`) are copied from there, the rest downloaded; an
-    offered block that fails its check is downloaded after all.
+    The blocks that ``early`` offers (:func:`early_blocks`) are hard-linked from there and checked, the
+    rest downloaded (an offered block that cannot be linked, or is not the block, is downloaded too).
 
     A block that is missing, truncated or corrupt at the source raises (IntegrityError), as reading it would.
     Copies that killed engines of this user left behind are removed first (:func:`sweep_stale_copies`).
@@ -111,17 +116,12 @@ def download_data_blocks(delta: Delta, early: str | None = None) -> str | None:
         return None
     try:
         os.mkdir(os.path.join(directory, BLOCKS_DIR))
-        offered = {b.id for b in early_blocks(delta, early)}
-        blocks = [b for b in data_blocks(delta) if b.id not in offered]
-        if offered:
-            assert early is not None
-            local = BlockSource(fsspec.filesystem("file"), early, label=f"{early} (blocks the client fetched early)")
-            with BlockFetcher(local, [b for b in data_blocks(delta) if b.id in offered], spool=directory) as copier:
-                for block_id in copier.ids:
-                    try:
-                        copier.keep(block_id, os.path.join(directory, BLOCKS_DIR, block_id), durable=False)
-                    except DcrError:  # damaged or gone there: the source has it
-                        blocks.append(copier.entry(block_id))
+        linked = {
+            b.id
+            for b in early_blocks(delta, early)
+            if early is not None and _link_checked(os.path.join(early, b.path), b, directory)
+        }
+        blocks = [b for b in data_blocks(delta) if b.id not in linked]
         with BlockFetcher(delta.source, blocks, spool=directory) as fetcher:
             for block in blocks:  # kept (renamed into blocks/) only once its size and digest are checked
                 fetcher.keep(block.id, os.path.join(directory, block.path), durable=False)  # dies with the engine
@@ -132,6 +132,19 @@ def download_data_blocks(delta: Delta, early: str | None = None) -> str | None:
     except BaseException:
         private.remove_own(directory)
         raise
+
+
+def taken_early(directory: str, early: str | None) -> int:
+    """How many of the node copy's blocks in ``directory`` are the files ``early`` offered (linked, not fetched)."""
+    if not early:
+        return 0
+    taken = 0
+    blocks = os.path.join(directory, BLOCKS_DIR)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(blocks):
+            with contextlib.suppress(OSError):
+                taken += os.path.samefile(os.path.join(blocks, name), os.path.join(early, BLOCKS_DIR, name))
+    return taken
 
 
 def sweep_stale_copies(root: str) -> list[str]:
