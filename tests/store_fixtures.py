@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -472,9 +472,31 @@ class CountingProxy(LoopbackProxy):
         with self.lock:
             return sum(n for (_, path), n in self.requests.items() if path.endswith(suffix))
 
+    def gets_for(self, suffix: str) -> int:
+        """GET requests for keys ending in ``suffix`` (downloads, not existence checks)."""
+        with self.lock:
+            return sum(n for (method, path), n in self.requests.items() if method == "GET" and path.endswith(suffix))
+
     def total_bytes(self) -> int:
         with self.lock:
             return sum(self.received.values())
+
+
+@contextlib.contextmanager
+def published_remotely(local: Path, s3: S3Endpoint, url: str) -> Iterator[tuple[Callable[[], Any], CountingProxy]]:
+    """Delta directory ``local`` pushed to the S3 store at ``url``; a function opening it by its store
+    location (a Delta, its manifest and blocks read remotely) through a proxy that counts requests."""
+    from dcr_cli.delta.reader import Delta
+
+    pushed = run_dcr("push", str(local), url, "-S", f"endpoint_url={s3.url}", env=s3.env())
+    assert pushed.returncode == 0, pushed.stderr
+    proxy = CountingProxy(s3.url)
+    location = f"{url}/manifests/{Delta.open(local).id}.json"
+    options = {**s3.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        yield lambda: Delta.open(location, storage_options=options), proxy
+    finally:
+        proxy.close()
 
 
 def flip_chain(root: Path) -> list[Path]:

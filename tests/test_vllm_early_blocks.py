@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_dcr
-from store_fixtures import CountingProxy, S3Endpoint, big_delta
+from store_fixtures import CountingProxy, S3Endpoint, big_delta, published_remotely
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.manifest import BlockEntry
@@ -32,19 +31,8 @@ def remote(
     """A delta of 16 data blocks published on an S3 store; a function opening it by its store location
     through a counting proxy."""
     local = big_delta(tmp_path, sparse=True)
-    run_dcr("push", str(local), s3_url, "-S", f"endpoint_url={s3_endpoint.url}", env=s3_endpoint.env(), check=True)
-    proxy = CountingProxy(s3_endpoint.url)
-    location = f"{s3_url}/manifests/{Delta.open(local).id}.json"
-    options = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
-    try:
-        yield local, lambda: Delta.open(location, storage_options=options), proxy
-    finally:
-        proxy.close()
-
-
-def _gets(proxy: CountingProxy, block_id: str) -> int:
-    with proxy.lock:
-        return sum(n for (method, path), n in proxy.requests.items() if method == "GET" and path.endswith(block_id))
+    with published_remotely(local, s3_endpoint, s3_url) as (open_remote, proxy):
+        yield local, open_remote, proxy
 
 
 def _offer(local: Path, early: Path) -> tuple[list[BlockEntry], dict[str, int]]:
@@ -83,7 +71,7 @@ def test_no_usable_offer_takes_nothing(
     assert directory is not None
     try:
         assert node_copy.taken_early(directory, offer) == 0
-        assert all(_gets(proxy, b.id) == 1 for b in blocks)
+        assert all(proxy.gets_for(b.id) == 1 for b in blocks)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -100,7 +88,7 @@ def test_the_copy_links_the_intact_offered_blocks_and_downloads_the_rest(
     directory = node_copy.download_data_blocks(open_remote(), str(early))
     assert directory is not None
     try:
-        assert {b.id: _gets(proxy, b.id) for b in blocks} == gets
+        assert {b.id: proxy.gets_for(b.id) for b in blocks} == gets
         copy = Path(directory)
         for b in blocks:  # the copy holds every data block, intact, as regular files
             assert (copy / b.path).read_bytes() == (local / b.path).read_bytes()

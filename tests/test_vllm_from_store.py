@@ -52,11 +52,6 @@ def _engine_fetches(proxy: CountingProxy, since: dict) -> dict:
     return {k: n - since.get(k, 0) for k, n in now.items() if n - since.get(k, 0)}
 
 
-def _gets(proxy: CountingProxy, block_id: str) -> int:
-    with proxy.lock:
-        return sum(n for (method, path), n in proxy.requests.items() if method == "GET" and path.endswith(block_id))
-
-
 def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_url, engine_proxy, dcr):
     root = chain[0].parent
     env = s3_endpoint.env()  # the client reaches moto directly: the proxy counts the engine alone
@@ -100,7 +95,7 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
             uploader(block.id, (root / "d2" / block.path).read_bytes())
         uploader.wait()
         deadline = time.monotonic() + 120
-        while not all(_gets(client_proxy, b.id) for b in data):
+        while not all(client_proxy.gets_for(b.id) for b in data):
             assert time.monotonic() < deadline, "the waiting client did not fetch the announced blocks"
             time.sleep(0.05)
         before = dict(engine_proxy.requests)
@@ -115,7 +110,7 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
     assert get_json(server + "/weight_info")["weight_version"] == "step-2"
     fetched = _engine_fetches(engine_proxy, before)
     assert not [p for (method, p), _ in fetched.items() if method == "GET" and "/blocks/" in p], fetched
-    assert all(_gets(client_proxy, b.id) == 1 for b in data)  # and the client fetched each once
+    assert all(client_proxy.gets_for(b.id) == 1 for b in data)  # and the client fetched each once
 
     # 3. Fail closed, the engine untouched and serving: a version that is not published in time (exit 4),
     #    a version whose base the engine does not hold (exit 2), an option the engine has no use for.

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, run_dcr
-from store_fixtures import CountingProxy, S3Endpoint, make_deltas
+from conftest import REPO
+from store_fixtures import CountingProxy, S3Endpoint, make_deltas, published_remotely
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IntegrityError
@@ -31,19 +31,8 @@ def remote(
 ) -> Iterator[tuple[Path, Callable[[], Delta], CountingProxy]]:
     """d1 published on an S3 store; a function opening it by its store location through a counting proxy."""
     _, (d1,) = make_deltas(tmp_path, 1)
-    run_dcr("push", str(d1), s3_url, "-S", f"endpoint_url={s3_endpoint.url}", env=s3_endpoint.env(), check=True)
-    proxy = CountingProxy(s3_endpoint.url)
-    location = f"{s3_url}/manifests/{Delta.open(d1).id}.json"
-    options = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
-    try:
-        yield d1, lambda: Delta.open(location, storage_options=options), proxy
-    finally:
-        proxy.close()
-
-
-def _gets(proxy: CountingProxy, block_id: str) -> int:
-    with proxy.lock:
-        return sum(n for (method, path), n in proxy.requests.items() if method == "GET" and path.endswith(block_id))
+    with published_remotely(d1, s3_endpoint, s3_url) as (open_remote, proxy):
+        yield d1, open_remote, proxy
 
 
 def test_every_rank_reads_the_nodes_copy_and_repair_blocks_from_the_store(
@@ -63,12 +52,12 @@ def test_every_rank_reads_the_nodes_copy_and_repair_blocks_from_the_store(
                 want = Delta.open(local).decode(item)
                 assert np.array_equal(delta.decode(item).values, want.values)
         blocks = leader.manifest.blocks
-        assert all(_gets(proxy, b.id) == (1 if b.role == "data" else 0) for b in blocks)  # once, by the leader
+        assert all(proxy.gets_for(b.id) == (1 if b.role == "data" else 0) for b in blocks)  # once, by the leader
         # A torn item's repair values come from the store, as before (the copy holds data blocks only).
         item = next(it for it in ranks[0].manifest.items if it.repair is not None)
         repair = ranks[0].manifest.blocks[item.repair.block]
         assert np.array_equal(ranks[0].repair_values(item), Delta.open(local).repair_values(item))
-        assert _gets(proxy, repair.id) >= 1
+        assert proxy.gets_for(repair.id) >= 1
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
