@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,3 +74,12 @@ def test_a_dense_item_across_cap_blocks_is_cut_at_each_block() -> None:
         (3 * cap, 3 * cap + 2),
     ]
     assert all(r.dense for r in runs)
+
+
+def test_indices_that_do_not_ascend_are_refused() -> None:
+    # An item's positions ascend by construction (delta-v1 §6.1: each gap adds at least 1); a run cut
+    # from indices that do not would rewrite elements outside the item, so the kernel refuses them.
+    with pytest.raises(ValueError, match="strictly ascending"):
+        runs_of(np.array([10, 5000, 4999], dtype=np.int64), None, 1, 2)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        runs_of(np.array([10, 11, 9000], dtype=np.int64), np.array([0, 1, 1], dtype=np.int64), 4, 2)

@@ -554,6 +554,8 @@ def _run_bounds(index, local, stride, gap, cap, out):  # pragma: no cover - comp
     stretch_end = (local[0] // stride + 1) * stride if segmented else 0
     for i in range(1, n):
         at = index[i]
+        if at <= prev or (segmented and local[i] <= local[i - 1]):
+            return -1  # not strictly ascending: the limits above would not hold
         cut = at - prev > gap or at >= limit
         if segmented and local[i] >= stretch_end:
             cut = True
@@ -568,7 +570,7 @@ def _run_bounds(index, local, stride, gap, cap, out):  # pragma: no cover - comp
 
 
 def run_bounds(index: np.ndarray, local: np.ndarray | None, stride: int, gap: int, cap: int) -> np.ndarray:
-    """Where ascending ``index`` splits into runs, in one pass: [0, cuts..., len(index)]. A run ends
+    """Where strictly ascending ``index`` splits into runs, in one pass: [0, cuts..., len(index)]. A run ends
     where the next index is more than ``gap`` past it or in another block of ``cap``; with ``local``
     (the ascending positions the indices came from), also where ``local // stride`` changes."""
     if index.ndim != 1 or index.size == 0:
@@ -579,4 +581,6 @@ def run_bounds(index: np.ndarray, local: np.ndarray | None, stride: int, gap: in
         raise ValueError("run_bounds: local positions must match the index")
     out = np.empty(index.size + 1, dtype=np.int64)
     count = _run_bounds(index, local, max(1, stride), gap, max(1, cap), out)
+    if count < 0:
+        raise ValueError("run_bounds: the indices (and local positions) must be strictly ascending")
     return out[:count].copy()
