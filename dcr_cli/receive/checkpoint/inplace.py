@@ -43,7 +43,7 @@ from ...io.files import start_writeback
 from ...io.pool import Inline, ordered_parallel
 
 GAP_BYTES = 4096  # unchanged bytes between two written elements that a run rewrites rather than split
-RUN_BYTES = 4 << 20  # longest run (bounds the buffer one write needs)
+RUN_BYTES = 1 << 20  # longest run: bounds a write's buffer, which stays in a core's L2 from read to write
 READ_CHUNK = 1 << 20  # bytes per read when digesting a tensor (stays in a core's L2 between read and hash)
 WRITEBACK_BYTES = 8 << 20  # bytes written to a file between two starts of its writeback (io.files.start_writeback)
 
