@@ -2,8 +2,9 @@
 
 A client that waits for a version (``apply STORE --version V --wait S --vllm URL``) fetches the blocks
 its push announces while it runs, and offers the engine its spool directory; an engine on the same
-node hard-links the intact ones from there into its node copy (``download_data_blocks``) and downloads
-only the rest. Without an engine (tests/test_vllm_from_store.py
+node hard-links the intact ones from there and checks them: on one rank it reads them in place while
+the rest download (``adopt_early_blocks``); on several its node copy takes them
+(``download_data_blocks``) and downloads only the rest. Without an engine (tests/test_vllm_from_store.py
 runs the whole path in a live vLLM server): a real S3 endpoint (moto) behind a proxy that counts
 requests, and a delta of many small blocks.
 """
@@ -56,6 +57,28 @@ def _decodes_as(delta: Delta, local: Path) -> None:
     want = Delta.open(local)
     for item in delta.manifest.items:  # section digests checked on the way
         assert np.array_equal(delta.decode(item).values, want.decode(item).values)
+
+
+def test_one_rank_reads_the_intact_offered_blocks_in_place_and_fetches_the_rest(
+    remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path
+) -> None:
+    local, open_remote, proxy = remote
+    early = tmp_path / "early"
+    blocks, gets = _offer(local, early)
+    delta = open_remote()
+    directory, taken = node_copy.adopt_early_blocks(delta, str(early))
+    assert directory is not None and taken == 1
+    try:
+        # Linked, not copied: the engine's directory holds the client's file itself, and nothing else.
+        assert os.path.samefile(Path(directory) / blocks[0].path, early / blocks[0].path)
+        assert sorted(os.listdir(Path(directory) / "blocks")) == [blocks[0].id]
+        delta.prefetch_blocks()  # the rest download in the background, as without an offer
+        delta.verify_blocks()
+        _decodes_as(delta, local)
+        assert {b.id: proxy.gets_for(b.id) for b in blocks} == gets
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert node_copy.adopt_early_blocks(open_remote(), str(tmp_path / "nothing-here")) == (None, 0)
 
 
 @pytest.mark.parametrize("offer", [None, "", "relative/early", "/nonexistent/dcr-early"])

@@ -56,7 +56,7 @@ from ...format.manifest import TensorEntry
 from ...format.strict_json import load_json
 from .apply import EngineReceiver, Exchange, single_rank
 from .client import open_in_frozen_heap
-from .node_copy import download_data_blocks, early_blocks, read_through_copy, taken_early
+from .node_copy import adopt_early_blocks, download_data_blocks, early_blocks, read_through_copy, taken_early
 
 BACKEND_NAME = "dcr"
 RPC_METHOD = "dcr_rpc"
@@ -120,8 +120,8 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         the client offers data blocks it fetched while it waited for the version (node_copy.early_blocks),
         read from there instead of the store where they are intact.
 
-        On one rank, or for a delta on this node's filesystem, that is the delta itself, unless the client
-        offers blocks (``early``): a node copy is then made of them (hard links) and the rest. A remote
+        On one rank, or for a delta on this node's filesystem, that is the delta itself (on one rank, it
+        reads the blocks the client offers, ``early``, in place: hard links, checked whole). A remote
         delta on several ranks (tensor parallel): the first rank of each node downloads its data
         blocks once, each checked whole, into a private node-local directory, and every rank of the
         node reads them there (node_copy.py), so an engine of N ranks per node moves the payload over
@@ -135,13 +135,10 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         delta = receiver.agree(lambda: open_in_frozen_heap(location))
         self.early_blocks = 0
         if receiver.single:
-            # Blocks the client offers (fetched while it waited): the rest joins them in a copy of this
-            # node's, taken before the first pass (a few blocks at most: the push announces every one).
+            # Blocks the client offers (fetched while it waited) are read where it spooled them (hard
+            # links, checked whole); the rest download while the first pass reads them, as without an offer.
             if delta.source.remote and early_blocks(delta, early) and self._reads_blocks(delta):
-                made = download_data_blocks(delta, early)
-                if made is not None:
-                    self.spool, self.early_blocks = made, taken_early(made, early)
-                    return read_through_copy(delta, made)
+                self.spool, self.early_blocks = adopt_early_blocks(delta, early)
             return delta
         if not delta.source.remote or not all(receiver.exchange(self._reads_blocks(delta))):
             return delta

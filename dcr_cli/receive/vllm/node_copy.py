@@ -100,6 +100,41 @@ def _link_checked(source: str, block: BlockEntry, directory: str) -> bool:
     return True
 
 
+def _link_offered(delta: Delta, early: str | None, directory: str) -> list[tuple[BlockEntry, str]]:
+    """The blocks ``early`` offers, hard-linked into ``directory``'s ``blocks/`` and checked there
+    (:func:`_link_checked`), with their paths; those that could not be are left out."""
+    linked = []
+    for block in early_blocks(delta, early):
+        assert early is not None
+        if _link_checked(os.path.join(early, block.path), block, directory):
+            linked.append((block, os.path.join(directory, block.path)))
+    return linked
+
+
+def adopt_early_blocks(delta: Delta, early: str | None) -> tuple[str | None, int]:
+    """One rank: let ``delta`` read the blocks ``early`` offers in place, each hard-linked into a new
+    private directory and checked whole there, while the rest download in the background as the
+    first pass reads them (``Delta.prefetch_blocks`` skips the adopted ones). Returns (the directory,
+    to remove when the update ends; how many were taken); (None, 0) where nothing could be taken."""
+    if not early_blocks(delta, early):
+        return None, 0
+    try:
+        directory = private.make_held(_private_root(), f"{delta.id[:16]}-{os.getpid()}-")
+        os.mkdir(os.path.join(directory, BLOCKS_DIR))
+    except OSError:
+        return None, 0
+    try:
+        linked = _link_offered(delta, early, directory)
+    except BaseException:
+        private.remove_own(directory)
+        raise
+    if not linked:
+        private.remove_own(directory)
+        return None, 0
+    delta.adopt_fetcher(BlockFetcher.of_checked_files(delta.source, linked))
+    return directory, len(linked)
+
+
 def download_data_blocks(delta: Delta, early: str | None = None) -> str | None:
     """A new private directory holding ``delta``'s data blocks, each checked whole; None where this node
     cannot hold them (no usable temporary directory, a full disk): its ranks then read the delta where it is.
@@ -116,11 +151,7 @@ def download_data_blocks(delta: Delta, early: str | None = None) -> str | None:
         return None
     try:
         os.mkdir(os.path.join(directory, BLOCKS_DIR))
-        linked = {
-            b.id
-            for b in early_blocks(delta, early)
-            if early is not None and _link_checked(os.path.join(early, b.path), b, directory)
-        }
+        linked = {block.id for block, _ in _link_offered(delta, early, directory)}
         blocks = [b for b in data_blocks(delta) if b.id not in linked]
         with BlockFetcher(delta.source, blocks, spool=directory) as fetcher:
             for block in blocks:  # kept (renamed into blocks/) only once its size and digest are checked
