@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -497,6 +498,26 @@ def published_remotely(local: Path, s3: S3Endpoint, url: str) -> Iterator[tuple[
         yield lambda: Delta.open(location, storage_options=options), proxy
     finally:
         proxy.close()
+
+
+def decodes_as(delta: Any, local: Path) -> None:
+    """Every item of ``delta`` (however its blocks are read) decodes to the values of the delta directory
+    ``local``, section digests checked on the way."""
+    from dcr_cli.delta.reader import Delta
+
+    want = Delta.open(local)
+    for item in delta.manifest.items:
+        assert np.array_equal(delta.decode(item).values, want.decode(item).values)
+
+
+@contextlib.contextmanager
+def removed_after(directory: str | None) -> Iterator[Path]:
+    """A directory a test made (an engine's node copy): asserted made, removed when the test is done with it."""
+    assert directory is not None
+    try:
+        yield Path(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def flip_chain(root: Path) -> list[Path]:

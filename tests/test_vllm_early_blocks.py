@@ -16,9 +16,8 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-from store_fixtures import CountingProxy, S3Endpoint, big_delta, published_remotely
+from store_fixtures import CountingProxy, S3Endpoint, big_delta, decodes_as, published_remotely, removed_after
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.manifest import BlockEntry
@@ -53,31 +52,35 @@ def _offer(local: Path, early: Path) -> tuple[list[BlockEntry], dict[str, int]]:
     return blocks, {b.id: (0 if b is intact else 1) for b in blocks}
 
 
-def _decodes_as(delta: Delta, local: Path) -> None:
-    want = Delta.open(local)
-    for item in delta.manifest.items:  # section digests checked on the way
-        assert np.array_equal(delta.decode(item).values, want.decode(item).values)
+# (the delta's directory, the opener, the proxy, the offer, the data blocks, the GETs each should cost)
+Offered = tuple[Path, Callable[[], Delta], CountingProxy, Path, list[BlockEntry], dict[str, int]]
 
 
-def test_one_rank_reads_the_intact_offered_blocks_in_place_and_fetches_the_rest(
-    remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path
-) -> None:
+@pytest.fixture
+def offered(remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path) -> Offered:
+    """The remote delta with an offer beside it (``_offer``): (its directory, the opener, the proxy, the
+    offer, the data blocks, the GETs each should cost)."""
     local, open_remote, proxy = remote
     early = tmp_path / "early"
     blocks, gets = _offer(local, early)
+    return local, open_remote, proxy, early, blocks, gets
+
+
+def test_one_rank_reads_the_intact_offered_blocks_in_place_and_fetches_the_rest(
+    offered: Offered, tmp_path: Path
+) -> None:
+    local, open_remote, proxy, early, blocks, gets = offered
     delta = open_remote()
     directory, taken = node_copy.adopt_early_blocks(delta, str(early))
-    assert directory is not None and taken == 1
-    try:
+    assert taken == 1
+    with removed_after(directory) as taken_dir:
         # Linked, not copied: the engine's directory holds the client's file itself, and nothing else.
-        assert os.path.samefile(Path(directory) / blocks[0].path, early / blocks[0].path)
-        assert sorted(os.listdir(Path(directory) / "blocks")) == [blocks[0].id]
+        assert os.path.samefile(taken_dir / blocks[0].path, early / blocks[0].path)
+        assert sorted(os.listdir(taken_dir / "blocks")) == [blocks[0].id]
         delta.prefetch_blocks()  # the rest download in the background, as without an offer
         delta.verify_blocks()
-        _decodes_as(delta, local)
+        decodes_as(delta, local)
         assert {b.id: proxy.gets_for(b.id) for b in blocks} == gets
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
     assert node_copy.adopt_early_blocks(open_remote(), str(tmp_path / "nothing-here")) == (None, 0)
 
 
@@ -90,38 +93,24 @@ def test_no_usable_offer_takes_nothing(
     monkeypatch.chdir(tmp_path)  # a relative path is refused even where it would resolve
     delta = open_remote()
     assert node_copy.early_blocks(delta, offer) == []
-    directory = node_copy.download_data_blocks(delta, offer)
-    assert directory is not None
-    try:
-        assert node_copy.taken_early(directory, offer) == 0
+    with removed_after(node_copy.download_data_blocks(delta, offer)) as copy:
+        assert node_copy.taken_early(str(copy), offer) == 0
         assert all(proxy.gets_for(b.id) == 1 for b in blocks)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_the_copy_links_the_intact_offered_blocks_and_downloads_the_rest(
-    remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path
-) -> None:
-    local, open_remote, proxy = remote
-    early = tmp_path / "early"
-    blocks, gets = _offer(local, early)
-    assert [b.id for b in node_copy.early_blocks(open_remote(), str(early))] == [
-        b.id for b in blocks[:2]
-    ]  # right size, regular
-    directory = node_copy.download_data_blocks(open_remote(), str(early))
-    assert directory is not None
-    try:
+def test_the_copy_links_the_intact_offered_blocks_and_downloads_the_rest(offered: Offered) -> None:
+    local, open_remote, proxy, early, blocks, gets = offered
+    right_size_and_regular = [b.id for b in blocks[:2]]
+    assert [b.id for b in node_copy.early_blocks(open_remote(), str(early))] == right_size_and_regular
+    with removed_after(node_copy.download_data_blocks(open_remote(), str(early))) as copy:
         assert {b.id: proxy.gets_for(b.id) for b in blocks} == gets
-        copy = Path(directory)
         for b in blocks:  # the copy holds every data block, intact, as regular files
             assert (copy / b.path).read_bytes() == (local / b.path).read_bytes()
             assert not (copy / b.path).is_symlink()
         # The intact offer is linked, not copied (no space taken); the others are the copy's own files.
         assert os.path.samefile(copy / blocks[0].path, early / blocks[0].path)
         assert not any(os.path.samefile(copy / b.path, early / b.path) for b in blocks[1:3])
-        assert node_copy.taken_early(directory, str(early)) == 1
-        assert sorted(os.listdir(directory)) == [".lock", "blocks"]  # no part file left behind
-        _decodes_as(node_copy.read_through_copy(open_remote(), directory), local)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        assert node_copy.taken_early(str(copy), str(early)) == 1
+        assert sorted(os.listdir(copy)) == [".lock", "blocks"]  # no part file left behind
+        decodes_as(node_copy.read_through_copy(open_remote(), str(copy)), local)
     assert (early / blocks[1].path).exists()  # the offer is the client's: left as it was

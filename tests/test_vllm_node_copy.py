@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO
-from store_fixtures import CountingProxy, S3Endpoint, make_deltas, published_remotely
+from store_fixtures import CountingProxy, S3Endpoint, decodes_as, make_deltas, published_remotely, removed_after
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IntegrityError
@@ -40,17 +40,13 @@ def test_every_rank_reads_the_nodes_copy_and_repair_blocks_from_the_store(
 ) -> None:
     local, open_remote, proxy = remote
     leader = open_remote()
-    directory = node_copy.download_data_blocks(leader)
-    assert directory is not None
-    try:
-        assert (os.stat(os.path.dirname(directory)).st_mode & 0o777) == 0o700
-        ranks = [node_copy.read_through_copy(open_remote(), directory) for _ in range(2)]
+    with removed_after(node_copy.download_data_blocks(leader)) as copy:
+        assert (os.stat(copy.parent).st_mode & 0o777) == 0o700
+        ranks = [node_copy.read_through_copy(open_remote(), str(copy)) for _ in range(2)]
         for delta in ranks:
             delta.prefetch_blocks()  # the data blocks are local: checked here, nothing fetched
             delta.verify_blocks()
-            for item in delta.manifest.items:  # decodes as the delta directory does, section digests checked
-                want = Delta.open(local).decode(item)
-                assert np.array_equal(delta.decode(item).values, want.values)
+            decodes_as(delta, local)
         blocks = leader.manifest.blocks
         assert all(proxy.gets_for(b.id) == (1 if b.role == "data" else 0) for b in blocks)  # once, by the leader
         # A torn item's repair values come from the store, as before (the copy holds data blocks only).
@@ -58,8 +54,6 @@ def test_every_rank_reads_the_nodes_copy_and_repair_blocks_from_the_store(
         repair = ranks[0].manifest.blocks[item.repair.block]
         assert np.array_equal(ranks[0].repair_values(item), Delta.open(local).repair_values(item))
         assert proxy.gets_for(repair.id) >= 1
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_a_corrupt_block_on_the_store_fails_and_leaves_no_copy(
