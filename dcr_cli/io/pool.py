@@ -61,6 +61,19 @@ def ordered_parallel(tasks: Iterable[Callable[[], T]], workers: int) -> Iterator
             yield _settle(window.popleft())
 
 
+def parallel(tasks: Iterable[Callable[[], T]], workers: int) -> list[T]:
+    """Run every task on a thread pool at once, results in order; the first failure cancels what has
+    not started. For I/O that waits (store requests): all of them in flight, not a window."""
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = [pool.submit(task) for task in tasks]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
 def _settle(entry: Future[T] | Inline[T]) -> T:
     return entry() if isinstance(entry, Inline) else entry.result()
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DcrError, IntegrityError
 from ..format.manifest import BlockEntry, parse_manifest
 from ..format.store_records import SHORTCUTS
+from ..io.pool import parallel
 from .backends import TMP_PREFIX
 from .repo import (
     BLOCKS,
@@ -53,7 +54,7 @@ from .repo import (
     VersionRecord,
     check_label,
 )
-from .transfer import DEFAULT_WORKERS, block_intact, parallel
+from .transfer import DEFAULT_WORKERS, block_intact
 
 if TYPE_CHECKING:
     from .keyframes import KeyframeFile

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import ConflictError, DcrError, IncompatibleError, NotReadyError
+from ..io.pool import parallel
 from .repo import (
     ACKS,
     COMMITS,
@@ -23,7 +24,9 @@ from .repo import (
     MAX_RECORD_BYTES,
     STORE_MAJOR,
     STORE_MINOR,
+    STORE_QUESTIONS,
     CommitRecord,
+    Listing,
     Ref,
     Store,
     VersionRecord,
@@ -74,28 +77,31 @@ def acknowledge(
     return ack
 
 
-def acks(store: Store, record: VersionRecord) -> list[str]:
+def acks(store: Store, record: VersionRecord, listing: Sequence[Listing] | None = None) -> list[str]:
     """Receivers that acknowledged ``record``, sorted. An acknowledgement counts by its object name,
     ``acks/<version>/<receiver>.json``, and only if what it says agrees with that name and with the
-    version record (store-v1 §3.3)."""
-    names: list[str] = []
-    for entry in store.list(f"{ACKS}/{record.version}"):
-        receiver = entry.name[: -len(".json")] if entry.name.endswith(".json") else ""
-        if not is_label(receiver):
-            continue  # temporary files of an interrupted write, strays
+    version record (store-v1 §3.3). ``listing``: that directory as just listed (else listed here);
+    the acknowledgements are read in parallel, one round trip for all of them."""
+    if listing is None:
+        listing = store.list(f"{ACKS}/{record.version}")
+    # temporary files of an interrupted write and strays are not acknowledgements
+    names = sorted({e.name[: -len(".json")] for e in listing if e.name.endswith(".json")} - {""})
+    names = [n for n in names if is_label(n)]
+
+    def agrees(receiver: str) -> bool:
         try:
-            obj = parse_record(
-                store.read(f"{ACKS}/{record.version}/{entry.name}", limit=MAX_RECORD_BYTES), ACK_KIND, entry.name
-            )
+            rel = f"{ACKS}/{record.version}/{receiver}.json"
+            obj = parse_record(store.read(rel, limit=MAX_RECORD_BYTES), ACK_KIND, f"{receiver}.json")
         except (FileNotFoundError, DcrError):
-            continue  # unreadable acks do not count; the receiver re-acknowledges
-        if (obj.get("receiver"), obj.get("version"), obj.get("fingerprint")) == (
+            return False  # unreadable acks do not count; the receiver re-acknowledges
+        return (obj.get("receiver"), obj.get("version"), obj.get("fingerprint")) == (
             receiver,
             record.version,
             record.target.fingerprint,
-        ):
-            names.append(receiver)
-    return sorted(set(names))
+        )
+
+    found = parallel((functools.partial(agrees, n) for n in names), min(len(names), STORE_QUESTIONS))
+    return [n for n, ok in zip(names, found, strict=True) if ok]
 
 
 @dataclass
@@ -131,36 +137,92 @@ def commit(
     with the refit: its start-up is off the refit's path); the acknowledgements are listed every
     POLL_S and the commit is tried whenever a new one appears, with every check as without it.
     ``on_wait`` is told what it waits for, once, when it starts waiting.
+
+    The commit sits on every refit's critical path, often across regions and behind the producer's
+    own repair upload on its link, so it asks few questions in sequence: those that do not
+    depend on each other go out together, what cannot change is asked once (a version record, and
+    that the base is committed: store-v1 keeps both for good), and the create-only write of the
+    commit record is itself the check that the base has no successor yet. After the last
+    acknowledgement lands: its listing, its read, the commit record, ``latest.json``.
     """
     _check_commit_args(receivers, quorum)
-    if wait is None:
-        return _commit(url, version, receivers, quorum, storage_options, allow_unsafe_publish)
-    deadline = time.monotonic() + wait
-    store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
     check_label(version, "version")
-    poll(store.marker, deadline, f"{url}: a dcr store", on_wait)
-    poll(lambda: store.version(version), deadline, f"{url}: version {version!r}", on_wait)
+    store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
+    deadline = None if wait is None else time.monotonic() + wait
+    if deadline is None:
+        store.require_marker()
+        store.require_atomic_publish()
+        record = store.require_version(version)
+    else:
+        poll(store.marker, deadline, f"{url}: a dcr store", on_wait)
+        store.require_atomic_publish()
+        record = poll(lambda: store.version(version), deadline, f"{url}: version {version!r}", on_wait)
+    base = record.base.version
+    questions: list[Callable[[], Any]] = [
+        functools.partial(store.commit_on, base),  # conditions 2 and 3 (store-v1 §4.3) ...
+        functools.partial(store.is_committed, base),
+        functools.partial(store.list, f"{ACKS}/{version}"),  # ... and the first look at condition 4
+    ]
+    answers = parallel(questions, len(questions))
+    successor: CommitRecord | None = answers[0]
+    base_committed: bool = answers[1]
+    listing: list[Listing] = answers[2]
+    if successor is not None:
+        return _existing(store, record, successor)
+    if not base_committed:
+        raise ConflictError(
+            f"version {version!r} is built on {base!r}, but the committed head is "
+            f"{store.head().version!r}; it can never be committed — diff against {store.head().version!r} "
+            "and push again"
+        )
+    # The base is committed and has no successor: it is the head, until a commit record on it appears.
     while True:
-        seen = _ack_names(store, version)
         try:
-            return _commit(url, version, receivers, quorum, storage_options, allow_unsafe_publish, store)
+            counted = _counted(record, receivers, quorum, acks(store, record, listing))
+            break
         except NotReadyError:
+            if deadline is None:
+                raise
+            successor = store.commit_on(base)  # committed meanwhile (by another producer), or now stale
+            if successor is not None:
+                return _existing(store, record, successor)
             if time.monotonic() >= deadline:
                 raise
-        # Until an acknowledgement appears, one listing per poll (a commit attempt asks several questions).
+        # Until an acknowledgement appears, one listing per poll.
+        seen = _ack_names(listing)
         what = f"a new acknowledgement of {version!r}"
-        poll(functools.partial(_new_acks, store, version, seen), deadline, what, on_wait)
+        listing = poll(functools.partial(_changed_acks, store, version, seen), deadline, what, on_wait)
         on_wait = None
+    if store.publish_method is None:  # --allow-unsafe-publish: no create-only write; ask just before it
+        successor = store.commit_on(base)
+        if successor is not None:
+            return _existing(store, record, successor)
+    commit_record = CommitRecord(
+        version=version,
+        base=record.base,
+        target=record.target,
+        acked=tuple(counted),
+        required={"receivers": sorted(set(receivers)), "quorum": quorum},
+        created=utc_now(),
+    )
+    try:
+        store.create(f"{COMMITS}/{base}.json", dumps(commit_record.to_json()))
+    except FileExistsError:
+        done = store.commit_on(base)
+        assert done is not None
+        return _existing(store, record, done)
+    _write_hint(store, record)
+    return CommitResult(url, version, base, record.target.fingerprint, list(counted), False)
 
 
-def _ack_names(store: Store, version: str) -> set[tuple[str, int, float | None]]:
-    return {(e.name, e.size, e.mtime) for e in store.list(f"{ACKS}/{version}")}
+def _ack_names(listing: Sequence[Listing]) -> set[tuple[str, int, float | None]]:
+    return {(e.name, e.size, e.mtime) for e in listing}
 
 
-def _new_acks(
-    store: Store, version: str, seen: set[tuple[str, int, float | None]]
-) -> set[tuple[str, int, float | None]] | None:
-    return (_ack_names(store, version) - seen) or None
+def _changed_acks(store: Store, version: str, seen: set[tuple[str, int, float | None]]) -> list[Listing] | None:
+    """The acknowledgements' listing, if it shows an object that was not in ``seen``."""
+    listing = store.list(f"{ACKS}/{version}")
+    return listing if _ack_names(listing) - seen else None
 
 
 def _check_commit_args(receivers: Sequence[str], quorum: int | None) -> None:
@@ -172,31 +234,9 @@ def _check_commit_args(receivers: Sequence[str], quorum: int | None) -> None:
         raise DcrError(f"--quorum {quorum} must be between 1 and the number of named receivers")
 
 
-def _commit(
-    url: str,
-    version: str,
-    receivers: Sequence[str],
-    quorum: int | None,
-    storage_options: dict[str, Any] | None,
-    allow_unsafe_publish: bool,
-    store: Store | None = None,
-) -> CommitResult:
-    store = store or Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
-    store.require_marker()
-    store.require_atomic_publish()
-    record = store.require_version(version)
-
-    done = store.commit_on(record.base.version)
-    if done is not None:
-        return _existing(store, record, done)
-    head = store.head()
-    if record.base.version != head.version:
-        raise ConflictError(
-            f"version {version!r} is built on {record.base.version!r}, but the committed head is "
-            f"{head.version!r}; it can never be committed — diff against {head.version!r} and push again"
-        )
-
-    acked = acks(store, record)
+def _counted(record: VersionRecord, receivers: Sequence[str], quorum: int | None, acked: list[str]) -> list[str]:
+    """The acknowledgements the commit record lists (condition 4), or NotReadyError: too few."""
+    version = record.version
     required = sorted(set(receivers))
     if required:
         have = [r for r in required if r in acked]
@@ -207,32 +247,14 @@ def _commit(
                 f"version {version!r} is acknowledged by {len(have)} of the {need} required receivers; "
                 f"missing: {', '.join(missing)}; nothing was committed — retry once they ran dcr ack"
             )
-        counted = have
-    else:
-        assert quorum is not None
-        if len(acked) < quorum:
-            raise NotReadyError(
-                f"version {version!r} has {len(acked)} acknowledgements, the quorum is {quorum}; "
-                "nothing was committed — retry later"
-            )
-        counted = acked
-
-    commit_record = CommitRecord(
-        version=version,
-        base=record.base,
-        target=record.target,
-        acked=tuple(counted),
-        required={"receivers": required, "quorum": quorum},
-        created=utc_now(),
-    )
-    try:
-        store.create(f"{COMMITS}/{record.base.version}.json", dumps(commit_record.to_json()))
-    except FileExistsError:
-        done = store.commit_on(record.base.version)
-        assert done is not None
-        return _existing(store, record, done)
-    _write_hint(store, record)
-    return CommitResult(url, version, record.base.version, record.target.fingerprint, list(counted), False)
+        return have
+    assert quorum is not None
+    if len(acked) < quorum:
+        raise NotReadyError(
+            f"version {version!r} has {len(acked)} acknowledgements, the quorum is {quorum}; "
+            "nothing was committed — retry later"
+        )
+    return acked
 
 
 def _existing(store: Store, record: VersionRecord, done: CommitRecord) -> CommitResult:

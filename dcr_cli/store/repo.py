@@ -62,6 +62,7 @@ CHILDREN = "children"
 LATEST = "latest.json"
 ANNOUNCED = "announced"  # announced/<version>/<block id>-<size>: a push in progress names its data blocks (1.2)
 
+STORE_QUESTIONS = 16  # small requests (records, stats) one command has in flight at once
 POLL_S = 0.05  # between two questions of a command that waits (--wait) for something to appear on a store
 
 
@@ -270,6 +271,10 @@ class Store:
         self.root = root.rstrip("/") or root
         self.allow_unsafe_publish = allow_unsafe_publish
         self._marker: dict[str, Any] | None = None  # the marker is create-only and never changes: read once
+        # Version and commit records too are written create-only and never removed or rewritten
+        # (§3): once found, each is kept, and a command asks for it once (an absent one is asked afresh).
+        self._versions: dict[str, VersionRecord] = {}
+        self._commits: dict[str, CommitRecord] = {}
 
     # -- backend capabilities ------------------------------------------------------------------------------------
 
@@ -440,9 +445,14 @@ class Store:
 
     def version(self, version: str) -> VersionRecord | None:
         check_label(version, "version")
+        if version in self._versions:
+            return self._versions[version]
         rel = f"{VERSIONS}/{version}.json"
         obj = self.read_record(rel, VersionRecord.KIND)
-        return None if obj is None else VersionRecord.from_json(obj, f"{self.url}/{rel}")
+        if obj is None:
+            return None
+        record = self._versions[version] = VersionRecord.from_json(obj, f"{self.url}/{rel}")
+        return record
 
     def require_version(self, version: str) -> VersionRecord:
         record = self.version(version)
@@ -494,9 +504,14 @@ class Store:
         return commit is not None and commit.version == version
 
     def commit_on(self, base_version: str) -> CommitRecord | None:
+        if base_version in self._commits:
+            return self._commits[base_version]
         rel = f"{COMMITS}/{base_version}.json"
         obj = self.read_record(rel, CommitRecord.KIND)
-        return None if obj is None else CommitRecord.from_json(obj, f"{self.url}/{rel}")
+        if obj is None:
+            return None
+        record = self._commits[base_version] = CommitRecord.from_json(obj, f"{self.url}/{rel}")
+        return record
 
     def chain(self) -> builtins.list[CommitRecord]:
         """Committed versions in order, from the genesis baseline to the head."""

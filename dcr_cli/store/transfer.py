@@ -23,8 +23,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +38,7 @@ from ..format.manifest import BLOCKS_DIR, MANIFEST_NAME, BlockEntry, Manifest, p
 from ..format.store_records import redo_shortcut
 from ..io.files import fsync_dir, write_atomic
 from ..io.gc_pause import no_collections
+from ..io.pool import parallel
 from ..io.reading import open_regular
 from .announce import EarlyFetch, remove_announcements
 from .backends import S3_PART_BYTES
@@ -117,18 +117,6 @@ class ByteBudget:
             with self.cond:
                 self.held -= n
                 self.cond.notify_all()
-
-
-def parallel(tasks: Iterable[Callable[[], T]], workers: int) -> list[T]:
-    """Run tasks on a thread pool, results in order; the first failure cancels what has not started."""
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = [pool.submit(task) for task in tasks]
-        try:
-            return [future.result() for future in futures]
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
 
 
 def stat_blocks(store: Store, blocks: list[BlockEntry], workers: int) -> dict[str, Listing | None]:

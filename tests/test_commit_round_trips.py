@@ -1,0 +1,89 @@
+"""The commit is on every refit's critical path, often across regions and behind the producer's own
+repair upload on its link: each question it asks in sequence costs a round trip there.
+
+Against a real S3 endpoint (moto), through a proxy that counts requests: once the last
+acknowledgement lands, a waiting commit asks only for it, then writes the commit record and
+``latest.json``; what cannot change (the version record, that its base is committed) was asked once,
+while it waited. A cold commit asks each object once, and the version's base's commit record, the
+base's own records and the acknowledgements' listing together.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from store_fixtures import CountingProxy, S3Endpoint, make_deltas
+
+from dcr_cli.store import acknowledge, commit, push, status
+
+
+def _two_versions(tmp_path: Path, s3: S3Endpoint, url: str) -> None:
+    """v1 committed (acknowledged by r0), v2 pushed on it."""
+    _, (d1, d2) = make_deltas(tmp_path, 2)
+    opts = s3.storage_options
+    push(d1, url, storage_options=opts)
+    acknowledge(url, "v1", "r0", storage_options=opts)
+    commit(url, "v1", receivers=["r0"], storage_options=opts)
+    push(d2, url, storage_options=opts)
+
+
+def _asked(proxy: CountingProxy, url: str, before: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+    """Requests since ``before``, by method and store-relative key; listings (GET of the bucket) apart."""
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    with proxy.lock:
+        now = dict(proxy.requests)
+    out = {}
+    for (method, path), n in now.items():
+        n -= before.get((method, path), 0)
+        if n and path != f"/{bucket}":
+            out[(method, path.removeprefix(f"/{bucket}/{prefix}/"))] = n
+    return out
+
+
+def test_a_waiting_commit_asks_only_for_the_new_acknowledgement_once_it_lands(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    _two_versions(tmp_path, s3_endpoint, s3_url)
+    proxy = CountingProxy(s3_endpoint.url)
+    through = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    waiting = threading.Event()
+    results: list[object] = []
+    committer = threading.Thread(
+        target=lambda: results.append(
+            commit(s3_url, "v2", receivers=["r0"], storage_options=through, wait=60, on_wait=lambda _: waiting.set())
+        )
+    )
+    try:
+        committer.start()
+        assert waiting.wait(30), "the commit never started waiting for the acknowledgement"
+        with proxy.lock:
+            before = dict(proxy.requests)
+        acknowledge(s3_url, "v2", "r0", storage_options=s3_endpoint.storage_options)  # not through the proxy
+        committer.join(timeout=60)
+    finally:
+        proxy.close()
+    assert results and results[0].acked == ["r0"] and not results[0].already_committed  # type: ignore[attr-defined]
+    assert status(s3_url, storage_options=s3_endpoint.storage_options)["head"]["version"] == "v2"
+    # Nothing asked again: not the version record, not the base's commit records, not latest.json.
+    assert _asked(proxy, s3_url, before) == {
+        ("GET", "acks/v2/r0.json"): 1,
+        ("PUT", "commits/v1.json"): 1,
+        ("PUT", "latest.json"): 1,
+    }
+
+
+def test_a_commit_reads_each_record_once(s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path) -> None:
+    _two_versions(tmp_path, s3_endpoint, s3_url)
+    acknowledge(s3_url, "v2", "r0", storage_options=s3_endpoint.storage_options)
+    proxy = CountingProxy(s3_endpoint.url)
+    through = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        result = commit(s3_url, "v2", receivers=["r0"], storage_options=through)
+    finally:
+        proxy.close()
+    assert result.acked == ["r0"] and not result.already_committed
+    asked = _asked(proxy, s3_url, {})
+    assert all(n == 1 for n in asked.values()), asked
+    assert ("GET", "latest.json") not in asked  # the head is not walked: the base is committed, without a successor
+    assert {key for key, _ in asked.items() if key[0] == "PUT"} == {("PUT", "commits/v1.json"), ("PUT", "latest.json")}
