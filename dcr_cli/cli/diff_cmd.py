@@ -120,7 +120,7 @@ def command(
         if rank is not None:
             raise IncompatibleError("--push publishes a whole delta: run dcr push OUT URL after dcr assemble")
         from ..store import BlockUploader
-        from ..store.repo import Ref, check_distinct_labels, check_label
+        from ..store.repo import Ref, Store, check_distinct_labels, check_label
 
         # What the push after the diff would refuse, refused before the diff and before any block is uploaded.
         if target_version is not None:
@@ -128,13 +128,15 @@ def command(
             check_distinct_labels(target_version, base_version, "--target-version")
         # A known label: each block is announced as it lands, for receivers waiting for the version.
         uploader = BlockUploader(push_url, parse_storage_options(storage_option), announce=target_version)
+        # One Store for the check before the diff and the push after it: the records it found are not asked again.
+        store = Store(push_url, parse_storage_options(storage_option))
         if target_version is not None:  # (without it, the version a re-run would find is not known yet)
             from ..store.transfer import check_push_base
 
-            url, label, options = push_url, target_version, parse_storage_options(storage_option)
+            label = target_version
 
             def check_base(base: VersionRef) -> None:
-                check_push_base(url, Ref(base.version, base.fingerprint), label, options)
+                check_push_base(store, Ref(base.version, base.fingerprint), label)
 
     config = None
     if profile is not None:
@@ -174,7 +176,9 @@ def command(
                 say(f"{push_url}: published {result.version} (repair blocks follow)", err=True)
 
         options = parse_storage_options(storage_option)
-        pushed = push(out, push_url, storage_options=options, on_published=published, fresh=uploader.uploaded)
+        pushed = push(
+            out, push_url, storage_options=options, on_published=published, fresh=uploader.uploaded, store=store
+        )
     if summary is None:
         from ..delta.parts import part_dir, try_assemble_last
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -49,6 +50,7 @@ from ..format.store_records import (
 )
 from ..format.store_records import LABEL as _LABEL
 from ..format.strict_json import load_json
+from ..io.pool import parallel
 from ..io.retry import calling
 from .backends import Capabilities, open_filesystem
 
@@ -493,15 +495,30 @@ class Store:
             current = record.version
         return out
 
-    def is_committed(self, version: str) -> bool:
-        """Whether ``version`` is the genesis or a committed version."""
-        if version == self.genesis().version:
-            return True
+    def is_committed(self, version: str, fingerprint: str | None = None) -> bool:
+        """Whether ``version`` is the genesis or a committed version (with ``fingerprint``: of that target)."""
+        genesis = self.genesis()
+        if version == genesis.version:
+            return fingerprint in (None, genesis.fingerprint)
         record = self.version(version)
-        if record is None:
+        if record is None or fingerprint not in (None, record.target.fingerprint):
             return False
         commit = self.commit_on(record.base.version)
         return commit is not None and commit.version == version
+
+    def is_head(self, ref: Ref) -> bool:
+        """Whether ``ref`` (the store's label, and fingerprint) is the committed head, as ``head() == ref``
+        says, without walking the chain: committed, and no commit record on it. Records are never
+        rewritten or removed, so a committed state stays committed (§4.3); the two questions go out
+        together."""
+        if not _LABEL.fullmatch(ref.version):  # a delta's label for its base: never part of a name unchecked
+            return False
+        questions: builtins.list[Callable[[], Any]] = [
+            functools.partial(self.commit_on, ref.version),
+            functools.partial(self.is_committed, ref.version, ref.fingerprint),
+        ]
+        successor, committed = parallel(questions, len(questions))
+        return successor is None and bool(committed)
 
     def commit_on(self, base_version: str) -> CommitRecord | None:
         if base_version in self._commits:

@@ -212,6 +212,7 @@ def push(
     verify_remote: bool = False,
     on_published: Callable[[PushResult], None] | None = None,
     fresh: Mapping[str, int] | None = None,
+    store: Store | None = None,
 ) -> PushResult:
     """Publish the delta at ``delta`` as version ``<its target version>`` on the store at ``url``.
 
@@ -231,7 +232,8 @@ def push(
     push killed after publication is completed by running it again. ``fresh``: id -> size of blocks
     the caller wrote to this store moments ago (``dcr diff --push``'s uploads): they are taken as
     present and young without asking; the check that every data block is there, just before the
-    record is written, asks about them as about every other.
+    record is written, asks about them as about every other. ``store``: the Store of ``url`` the
+    caller has open already (``check_push_base``'s): the records it found are not asked again.
     """
     started = time.monotonic()
     # A delta given as a URL (s3://bucket/delta) is read with the options given for the store: one endpoint.
@@ -239,7 +241,9 @@ def push(
     manifest = source.manifest
     version = check_label(manifest.target.version, "the delta's target version")
     check_distinct_labels(version, manifest.base.version, url)  # before store.init creates a new store's marker
-    store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
+    if store is None or store.url != url:
+        store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
+    store.allow_unsafe_publish = allow_unsafe_publish
     store.require_atomic_publish()
     genesis = store.init(Ref(manifest.base.version, manifest.base.fingerprint))
     if version == genesis.version:
@@ -252,14 +256,15 @@ def push(
     if on_total is not None:
         on_total(sum(b.size for b in data_blocks + repair_blocks))
 
-    existing = store.version(version)
+    existing, base = _version_and_head(store, version, Ref(manifest.base.version, manifest.base.fingerprint))
     if existing is not None and existing.manifest != source.id:
         raise ConflictError(
             f"{url}: version {version!r} is already published with a different delta (manifest "
             f"{existing.manifest[:16]}…); label this delta differently (dcr diff --target-version)"
         )
-    base = existing.base if existing is not None else store.head()
-    if existing is None and manifest.base.fingerprint != base.fingerprint:
+    if existing is not None:
+        base = existing.base
+    elif manifest.base.fingerprint != base.fingerprint:
         raise _not_the_head(url, manifest.base.version, base)
 
     limiter = RateLimit(limit_rate) if limit_rate else None
@@ -276,20 +281,27 @@ def push(
     manifest_restored = existing is not None and (
         not store.exists(f"{MANIFESTS}/{source.id}.json") or (verify_remote and _damaged_manifest(store, existing))
     )
-    if existing is None or manifest_restored:
+    if manifest_restored:
         # Content-addressed: the name says which bytes are right, so a damaged copy is simply written again.
         store.put(f"{MANIFESTS}/{source.id}.json", raw)
 
     if existing is None:
-        # Everything a receiver reads must be there now (a concurrent dcr gc could have removed a block).
-        after = stat_blocks(store, data_blocks, workers)
+        # Steps 5 to 7 of §4.1, the record last: the manifest, the check that every data block a receiver
+        # reads is there (a concurrent dcr gc could have removed one) and the children index entry
+        # depend on nothing but the uploads, so they go out together (one round trip, not three, on
+        # the producer's critical path).
+        questions: list[Callable[[], Any]] = [
+            functools.partial(store.put, f"{MANIFESTS}/{source.id}.json", raw),
+            functools.partial(stat_blocks, store, data_blocks, workers),
+            functools.partial(store.put, f"{CHILDREN}/{base.version}/{version}", b""),  # the record below decides
+        ]
+        after = parallel(questions, len(questions))[1]
         lost = [b.id for b in data_blocks if (e := after[b.id]) is None or e.size != b.size]
         if lost:
             raise ConflictError(
                 f"{url}: block {lost[0][:16]}… vanished during the push (a concurrent dcr gc?); re-run dcr push"
             )
         record = version_record(manifest, source.id, len(raw), base)
-        store.put(f"{CHILDREN}/{base.version}/{version}", b"")  # index entry; the record below decides
         try:
             store.create(f"{VERSIONS}/{version}.json", dumps(record.to_json()))
         except FileExistsError:
@@ -360,17 +372,28 @@ def _not_the_head(url: str, base: str, head: Ref) -> IncompatibleError:
     )
 
 
-def check_push_base(url: str, base: Ref, target_version: str, storage_options: dict[str, Any] | None = None) -> None:
+def check_push_base(store: Store, base: Ref, target_version: str) -> None:
     """What ``push`` of a delta from ``base`` to ``target_version`` would refuse for its base, refused
     now (``dcr diff --push``, before the diff and before any block is uploaded): a base that is not
     the store's committed head, unless the version is published already (a re-run: ``push`` then
     compares the deltas themselves). Reads only; a store that does not exist yet takes any base."""
-    store = Store(url, storage_options)
-    if store.marker() is None or store.version(target_version) is not None:
+    if store.marker() is None:
         return
-    head = store.head()
-    if base.fingerprint != head.fingerprint:
-        raise _not_the_head(url, base.version, head)
+    existing, head = _version_and_head(store, target_version, base)
+    if existing is None and base.fingerprint != head.fingerprint:
+        raise _not_the_head(store.url, base.version, head)
+
+
+def _version_and_head(store: Store, version: str, base: Ref) -> tuple[VersionRecord | None, Ref]:
+    """The record of ``version`` if published, and the committed head: ``base`` itself if it is the head
+    under that label (asked together with the record: one round trip where the records of ``base``
+    are known), else the head found by walking the chain."""
+    questions: list[Callable[[], Any]] = [
+        functools.partial(store.version, version),
+        functools.partial(store.is_head, base),
+    ]
+    existing, is_head = parallel(questions, len(questions))
+    return existing, (base if is_head else store.head())
 
 
 def _upload_repairs(

@@ -1,11 +1,14 @@
-"""The commit is on every refit's critical path, often across regions and behind the producer's own
-repair upload on its link: each question it asks in sequence costs a round trip there.
+"""Publication and commit are on every refit's critical path, often across regions, and the commit
+behind the producer's own repair upload on its link: each question asked in sequence costs a round
+trip there.
 
 Against a real S3 endpoint (moto), through a proxy that counts requests: once the last
 acknowledgement lands, a waiting commit asks only for it, then writes the commit record and
 ``latest.json``; what cannot change (the version record, that its base is committed) was asked once,
 while it waited. A cold commit asks each object once, and the version's base's commit record, the
-base's own records and the acknowledgements' listing together.
+base's own records and the acknowledgements' listing together. ``dcr diff --push`` asks about the
+store's head once, before the diff (a Store shared with the push after it), and never walks the
+chain from ``latest.json`` when the delta's base is the head.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from store_fixtures import CountingProxy, S3Endpoint, make_deltas
+from store_fixtures import CountingProxy, S3Endpoint, diff_args, make_deltas, run_dcr
 
 from dcr_cli.store import acknowledge, commit, push, status
 
@@ -87,3 +90,28 @@ def test_a_commit_reads_each_record_once(s3_endpoint: S3Endpoint, s3_url: str, t
     assert all(n == 1 for n in asked.values()), asked
     assert ("GET", "latest.json") not in asked  # the head is not walked: the base is committed, without a successor
     assert {key for key, _ in asked.items() if key[0] == "PUT"} == {("PUT", "commits/v1.json"), ("PUT", "latest.json")}
+
+
+def test_diff_push_asks_about_the_head_once_and_publishes_in_three_rounds(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    ckpts, (d1, _) = make_deltas(tmp_path, 2)
+    opts = s3_endpoint.storage_options
+    push(d1, s3_url, storage_options=opts)
+    acknowledge(s3_url, "v1", "r0", storage_options=opts)
+    commit(s3_url, "v1", receivers=["r0"], storage_options=opts)
+    proxy = CountingProxy(s3_endpoint.url)
+    try:
+        args = diff_args(ckpts[1], ckpts[2], tmp_path / "out", "v1", "v2")
+        pushed = run_dcr(*args, "--push", s3_url, "-S", f"endpoint_url={proxy.url}", env=s3_endpoint.env())
+    finally:
+        proxy.close()
+    assert pushed.returncode == 0, pushed.stderr
+    assert [p["version"] for p in status(s3_url, storage_options=opts)["pending"]] == ["v2"]
+    asked = _asked(proxy, s3_url, {})
+    # The base's records once (checked before the diff, kept for the push), the chain never walked.
+    assert asked[("GET", "versions/v1.json")] == 1 and asked[("GET", "commits/v0.json")] == 1, asked
+    assert ("GET", "latest.json") not in asked, asked
+    # Absent before the diff and at the push: asked both times (what is absent is never taken as known).
+    assert asked[("GET", "versions/v2.json")] == 2 and asked[("GET", "commits/v1.json")] == 2, asked
+    assert asked[("PUT", "versions/v2.json")] == 1 and asked[("PUT", "children/v1/v2")] == 1, asked
