@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import uuid
 from pathlib import Path
@@ -112,6 +113,14 @@ def test_store_without_atomic_create_is_refused_unless_allowed(deltas: tuple[lis
     with pytest.raises(DcrError, match="cannot create an object atomically"):
         push(d1, url)
     assert push(d1, url, allow_unsafe_publish=True).version == "v1"
+    acknowledge(url, "v1", "r")
+    with pytest.raises(DcrError, match="cannot create an object atomically"):
+        commit(url, "v1", receivers=["r"])
+    # Allowed, the commit asks for the base's commit record just before its write (no create-only
+    # write stands for it there), and a re-run finds the commit done.
+    assert not commit(url, "v1", receivers=["r"], allow_unsafe_publish=True).already_committed
+    assert commit(url, "v1", receivers=["r"], allow_unsafe_publish=True, wait=1).already_committed
+    assert status(url)["head"]["version"] == "v1"
 
 
 def test_joint_commit_needs_every_named_ack(deltas: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
@@ -173,6 +182,25 @@ def test_stale_version_cannot_be_committed(tmp_path: Path) -> None:
         commit(url, "v1", receivers=["r"])
     assert {e.version: e.state for e in log(url)} == {"v1b": "committed", "v1": "stale"}
     assert pull(url, tmp_path / "out").version == "v1b"
+
+
+def test_a_version_whose_base_was_never_committed_can_never_be_committed(tmp_path: Path) -> None:
+    """A record built on a base that is published but not committed (a push refuses that; here the
+    record is carried over from another store): the commit refuses it at once, even with --wait,
+    naming the head, and writes nothing."""
+    _, (d1, d2) = make_deltas(tmp_path, 2)
+    done, url = str(tmp_path / "done"), str(tmp_path / "store")
+    push(d1, done)
+    acknowledge(done, "v1", "r")
+    commit(done, "v1", receivers=["r"])
+    push(d2, done)
+    push(d1, url)  # v1 published here, never committed: the head is the genesis
+    acknowledge(url, "v1", "r")
+    shutil.copy(Path(done) / "versions" / "v2.json", Path(url) / "versions" / "v2.json")
+    for wait in (None, 5.0):
+        with pytest.raises(ConflictError, match="built on 'v1', but the committed head is 'v0'; it can never be"):
+            commit(url, "v2", receivers=["r"], wait=wait)
+    assert not (Path(url) / "commits").exists() and status(url)["head"]["version"] == "v0"
 
 
 def _publish_chain(url: str, deltas: list[Path], opts: dict | None = None) -> None:

@@ -170,10 +170,10 @@ def commit(
     if successor is not None:
         return _existing(store, record, successor)
     if not base_committed:
+        head = store.head().version
         raise ConflictError(
-            f"version {version!r} is built on {base!r}, but the committed head is "
-            f"{store.head().version!r}; it can never be committed — diff against {store.head().version!r} "
-            "and push again"
+            f"version {version!r} is built on {base!r}, but the committed head is {head!r}; it can never be "
+            f"committed — diff against {head!r} and push again"
         )
     # The base is committed and has no successor: it is the head, until a commit record on it appears.
     while True:
