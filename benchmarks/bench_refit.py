@@ -251,7 +251,7 @@ class Moto:
 class Proxy:
     """One node's link: benchmarks/throttle.py in its own process."""
 
-    def __init__(self, target_port: int, rate: float, stats: Path) -> None:
+    def __init__(self, target_port: int, rate: float, stats: Path, rtt: float = 0.0) -> None:
         self.stats = stats
         self.proc = subprocess.Popen(
             [
@@ -263,6 +263,8 @@ class Proxy:
                 str(rate),
                 "--stats",
                 str(stats),
+                "--delay",
+                str(rtt / 2),
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -300,7 +302,7 @@ class Link:
         return f"{self.url_root}/{name}"
 
 
-def open_link(kind: str, rate: float, receivers: int, moto: Moto | None, work: Path) -> Link:
+def open_link(kind: str, rate: float, receivers: int, moto: Moto | None, work: Path, rtt: float = 0.0) -> Link:
     names = ["producer"] + [f"r{i}" for i in range(receivers)]
     if kind == "s3":
         assert moto is not None
@@ -308,7 +310,7 @@ def open_link(kind: str, rate: float, receivers: int, moto: Moto | None, work: P
         moto.fs().mkdir(bucket)
         nodes = []
         for n in names:
-            proxy = Proxy(moto.port, rate, work / f"proxy-{n}-{uuid.uuid4().hex[:6]}.json")
+            proxy = Proxy(moto.port, rate, work / f"proxy-{n}-{uuid.uuid4().hex[:6]}.json", rtt)
             env = env_with_repo(
                 {
                     "AWS_ACCESS_KEY_ID": KEY_ID,
@@ -1048,6 +1050,13 @@ def main() -> None:
     ap.add_argument("--moe-layers", type=int, default=12)
     ap.add_argument("--moe-experts", type=int, default=64, help="per layer (12 x 64 x 3 = 2,304 expert tensors)")
     ap.add_argument("--cases", default="u1,u3,u5,adam3,moe3")
+    ap.add_argument(
+        "--rtt",
+        type=float,
+        default=0.0,
+        help="round trip in ms between every node and the s3 store (each proxy delays each direction by half;"
+        " a receiver and its store in another region), default 0",
+    )
     ap.add_argument("--links", default="1G,100M", help=f"link rates per node and direction, of {','.join(LINKS)}")
     ap.add_argument("--receivers", default="1,4")
     ap.add_argument("--stores", default="s3,local")
@@ -1135,11 +1144,14 @@ def main() -> None:
             for link_name in args.links.split(","):
                 rate = LINKS[link_name]
                 for n in (int(x) for x in args.receivers.split(",")):
-                    config = f"{store} {rate_name(rate)} x{n}"
+                    rtt = f" rtt {args.rtt:g}ms" if args.rtt and store == "s3" else ""
+                    config = f"{store} {rate_name(rate)} x{n}{rtt}"
                     print(
-                        f"\n== {config}: {store} store, every node's link {rate_name(rate)} each way, {n} receiver(s)"
+                        f"\n== {config}: {store} store, every node's link {rate_name(rate)} each way"
+                        + (f" with a {args.rtt:g} ms round trip to the store" if args.rtt and store == "s3" else "")
+                        + f", {n} receiver(s)"
                     )
-                    ref_link = open_link(store, rate, n, moto, work)
+                    ref_link = open_link(store, rate, n, moto, work, args.rtt / 1e3)
                     try:
                         dense = chains[0]
                         sample = args.reference_sample_mib << 20 if args.reference_sample_mib else None
@@ -1161,7 +1173,7 @@ def main() -> None:
                                 print(f"  [receiver mode vllm] {ch.name}: skipped (dense chain only; see bench_moe.py)")
                                 continue
                             rs = recvs[ch.name][:n]
-                            link = open_link(store, rate, n, moto, work)
+                            link = open_link(store, rate, n, moto, work, args.rtt / 1e3)
                             engines = contextlib.ExitStack()
                             try:
                                 if mode == "vllm":

@@ -1,13 +1,15 @@
 """A rate-limiting TCP proxy on 127.0.0.1: one node's network link, for every client alike.
 
-    python benchmarks/throttle.py --target 127.0.0.1:PORT --rate 12.5M [--port 0] [--stats FILE]
+    python benchmarks/throttle.py --target 127.0.0.1:PORT --rate 12.5M [--delay 0.035] [--port 0] [--stats FILE]
 
 Every connection accepted on the listening port is forwarded to ``--target``. All connections
 through one proxy share one token bucket per direction (upload: client -> target, download:
 target -> client), each at ``--rate`` bytes per second: the proxy models the link of one node (a
 trainer or a rollout node), however many parallel connections its client opens. Run one proxy per
-node. The listening port is printed on stdout (one line) once it accepts connections. With
-``--stats FILE`` the bytes forwarded per direction are written there as JSON on SIGTERM/SIGINT.
+node. ``--delay`` adds a one-way latency to each direction (half a round trip between regions),
+which costs every request a client asks in sequence a round trip, as across regions. The listening
+port is printed on stdout (one line) once it accepts connections. With ``--stats FILE`` the bytes
+forwarded per direction are written there as JSON on SIGTERM/SIGINT.
 
 Used by bench_refit.py in front of a moto S3 server, so that dcr and the full-checkpoint reference
 go through exactly the same link.
@@ -54,23 +56,45 @@ def parse_rate(text: str) -> float:
     return float(text)
 
 
-async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bucket: Bucket) -> None:
+async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bucket: Bucket, delay: float) -> None:
+    """Forward one direction: each chunk enters the link at the bucket's rate and arrives ``delay``
+    seconds later (the one-way latency of a link between regions), in order, without the latency
+    limiting the rate (a delay line, as a long link is)."""
+    line: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+    async def deliver() -> None:
+        while (entry := await line.get()) is not None:
+            due, data = entry
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+
+    sender = asyncio.ensure_future(deliver()) if delay > 0 else None
     try:
         while True:
             data = await reader.read(CHUNK)
             if not data:
                 break
             await bucket.take(len(data))
-            writer.write(data)
-            await writer.drain()
+            if sender is None:
+                writer.write(data)
+                await writer.drain()
+            else:
+                line.put_nowait((time.monotonic() + delay, data))
+        if sender is not None:
+            line.put_nowait(None)
+            await sender
     except (ConnectionError, asyncio.CancelledError):
-        pass
+        if sender is not None:
+            sender.cancel()
     finally:
         with contextlib.suppress(Exception):
             writer.close()
 
 
-async def serve(target: tuple[str, int], rate: float | None, port: int, stats: Path | None) -> None:
+async def serve(target: tuple[str, int], rate: float | None, port: int, stats: Path | None, delay: float) -> None:
     up, down = Bucket(rate), Bucket(rate)
 
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
@@ -80,7 +104,7 @@ async def serve(target: tuple[str, int], rate: float | None, port: int, stats: P
             client_w.close()
             return
         with contextlib.suppress(asyncio.CancelledError):  # the proxy is shutting down
-            await asyncio.gather(pump(client_r, server_w, up), pump(server_r, client_w, down))
+            await asyncio.gather(pump(client_r, server_w, up, delay), pump(server_r, client_w, down, delay))
 
     server = await asyncio.start_server(handle, "127.0.0.1", port, limit=CHUNK)
     print(server.sockets[0].getsockname()[1], flush=True)
@@ -100,10 +124,11 @@ def main() -> None:
     ap.add_argument("--rate", default=None, help="bytes per second per direction, e.g. 12.5M (default: no limit)")
     ap.add_argument("--port", type=int, default=0, help="port to listen on (default: any free one)")
     ap.add_argument("--stats", type=Path, default=None, help="write bytes forwarded per direction here on exit")
+    ap.add_argument("--delay", type=float, default=0.0, help="one-way latency in seconds, each direction (default 0)")
     args = ap.parse_args()
     host, _, port = args.target.rpartition(":")
     rate = parse_rate(args.rate) if args.rate else None
-    asyncio.run(serve((host, int(port)), rate, args.port, args.stats))
+    asyncio.run(serve((host, int(port)), rate, args.port, args.stats, args.delay))
 
 
 if __name__ == "__main__":

@@ -44,16 +44,18 @@ def test_bench_refit_tiny(tmp_path: Path) -> None:
 
 
 def test_bench_refit_tiny_s3_receiver_modes(tmp_path: Path) -> None:
-    """The one-process receiver (oneshot) and the waiting one (apply --wait, commit --wait) over moto."""
+    """The one-process receiver (oneshot) and the waiting one (apply --wait, commit --wait) over moto,
+    every node 20 ms (a round trip) from the store."""
     out = bench(
         "bench_refit.py",
-        *("--size", "0.02", "--cases", "u3", "--links", "1G", "--receivers", "1", "--stores", "s3"),
+        *("--size", "0.02", "--cases", "u3", "--links", "1G", "--receivers", "1", "--stores", "s3", "--rtt", "20"),
         *("--producer", "overlap", "--receiver-mode", "oneshot,waiting", "--reference-sample-mib", "4"),
         tmp=tmp_path,
     )
     assert "[receiver mode oneshot] critical path" in out and "[receiver mode waiting] critical path" in out, out
     assert "apply --wait --verify --ack from the publication to its exit" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith("s3 1 Gbit/s x1")]
+    assert "every node's link 1 Gbit/s each way with a 20 ms round trip to the store" in out, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("s3 1 Gbit/s x1 rtt 20ms")]
     assert [r[-1] for r in rows] == ["oneshot", "waiting"], out
 
 
