@@ -121,6 +121,42 @@ def test_apply_from_s3_fetches_each_data_block_once_and_no_repair_block(
     )
 
 
+def test_apply_from_a_local_store_reads_no_repair_block(tmp_path: Path) -> None:
+    """delta-v1 §7.3 holds for a store on a local path too (a shared mount is a transfer): an apply reads
+    none of its repair blocks, so one that is damaged there does not stop it; a delta directory's are
+    checked whole before the first write, as before."""
+    from store_fixtures import big_delta
+
+    from dcr_cli.delta.reader import Delta
+    from dcr_cli.store import push
+
+    delta = big_delta(tmp_path, sparse=True)
+    url = str(tmp_path / "store")
+    push(delta, url)
+    repair = sorted({b.id for b in Delta.open(delta).manifest.blocks if b.role == "repair"})
+    assert repair
+    for block_id in repair:  # damaged in the store: only a torn item would ever read them
+        stored = tmp_path / "store" / "blocks" / block_id
+        raw = bytearray(stored.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        stored.chmod(0o644)
+        stored.write_bytes(bytes(raw))
+    receiver = tmp_path / "receiver"
+    shutil.copytree(tmp_path / "big-c0", receiver)
+    out = json_out(run_dcr("apply", url, "--version", "v1", "--into", str(receiver), "--verify", "--json"))
+    assert out["version"] == "v1" and out["verified"]["ok"] and read_bits(receiver) == read_bits(tmp_path / "big-c1")
+
+    local = tmp_path / "local-delta"
+    shutil.copytree(delta, local)
+    for block_id in repair:
+        shutil.copy(tmp_path / "store" / "blocks" / block_id, local / "blocks" / block_id)
+    again = tmp_path / "receiver-2"
+    shutil.copytree(tmp_path / "big-c0", again)
+    refused = run_dcr("apply", str(local), "--into", str(again))
+    assert refused.returncode != 0 and "repair block" in refused.stderr and "corrupt" in refused.stderr
+    assert read_bits(again) == read_bits(tmp_path / "big-c0")
+
+
 def test_a_repair_section_is_fetched_only_when_read(s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path) -> None:
     from store_fixtures import CountingProxy, big_delta
 

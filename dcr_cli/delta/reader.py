@@ -321,9 +321,10 @@ class Delta:
         self._fetchers = [f for f in self._fetchers if f.complete]
 
     def check_repair_blocks(self) -> None:
-        """Repair blocks are optional. Local ones that are here must be intact (checked whole); a remote
-        source's are never fetched for this: each is checked by its section digests if a torn item reads it."""
-        if self.source.remote:
+        """Repair blocks are optional. Those of a local delta directory that are here must be intact
+        (checked whole); a remote source's or a store's are never read for this: each is checked by its
+        section digests if a torn item reads it."""
+        if self.source.remote or not self.source.checks_repairs_up_front:
             return
         for block in {b.id: b for b in self.manifest.blocks if b.role == "repair"}.values():
             if self.source.exists(block):

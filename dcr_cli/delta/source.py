@@ -52,6 +52,10 @@ class BlockSource:
     missing_repair_advice = "fetch the delta with its repair blocks and re-run"
     # What a reader is told when a block's bytes are not the ones its name (their digest) says.
     damaged_advice = "fetch the delta again (dcr pull checks every block it downloads) or re-run dcr diff, then re-run"
+    # Whether a receiver checks the repair blocks here whole before its first write (a delta directory on
+    # this machine: cheap, and damage is caught up front). A store's are read only by a torn item
+    # (delta-v1 §7.3), wherever the store lives: a file:// store on a shared mount is a transfer too.
+    checks_repairs_up_front = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, label: str | None = None) -> None:
         self.fs = fs

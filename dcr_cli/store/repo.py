@@ -644,6 +644,7 @@ class StoreBlockSource(BlockSource):
     ``repairs_promised``: every block was uploaded before the record (a shortcut, §6.2).
     """
 
+    checks_repairs_up_front = False  # read only by a torn item (and pull --repair, squashing), as on any store
     # A push publishes a version before its repair blocks (store-v1 §4.1).
     missing_repair_advice = (
         "the store lacks it: the producer's dcr push is still uploading repair blocks or was stopped after "
