@@ -29,7 +29,8 @@ def test_diff_push_refuses_a_base_behind_the_head_before_the_diff_and_uploads_no
         f"dcr: error: the delta's base (v0) is not the committed baseline of {store} (v1); "
         f"re-run dcr diff against v1 (dcr status {store} --json shows it)"
     ]
-    assert not out.exists()  # refused before the diff wrote anything
+    assert not out.exists()  # refused before the diff wrote anything (it scanned meanwhile: reads only)
+    assert not list(tmp_path.glob(".stale.partial-*"))  # not even the writer's partial directory
     assert _store_files(store) == before  # and before any block or announcement went up
 
 

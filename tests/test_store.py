@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from store_fixtures import S3Endpoint, count_store_questions, delta_files, make_deltas
+from store_fixtures import S3Endpoint, commit_each, count_store_questions, delta_files, make_deltas
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import ConflictError, DcrError, IncompatibleError, IntegrityError, NotReadyError
@@ -201,6 +201,32 @@ def test_a_version_whose_base_was_never_committed_can_never_be_committed(tmp_pat
         with pytest.raises(ConflictError, match="built on 'v1', but the committed head is 'v0'; it can never be"):
             commit(url, "v2", receivers=["r"], wait=wait)
     assert not (Path(url) / "commits").exists() and status(url)["head"]["version"] == "v0"
+
+
+def test_a_damaged_record_of_the_head_costs_a_walk_not_the_next_push_or_commit(tmp_path: Path) -> None:
+    """The head's own version record unreadable (bit rot): the head is still found by walking the commit
+    records from the genesis, as before the shortcut that asks the base's records directly."""
+    _, (d1, d2, d3) = make_deltas(tmp_path, 3)
+    url = str(tmp_path / "store")
+    commit_each(url, [d1, d2])
+    (tmp_path / "store" / "versions" / "v2.json").write_bytes(b"{not json")
+    assert push(d3, url).version == "v3"
+    acknowledge(url, "v3", "r")
+    assert commit(url, "v3", receivers=["r"]).acked == ["r"]
+    assert status(url)["head"]["version"] == "v3"
+
+
+def test_a_push_re_run_asks_nothing_about_the_head(tmp_path: Path) -> None:
+    """Re-running the push of a published version (§4.1 step 2, the fix for a lost manifest) takes the
+    base its record names: a damaged commit record further along the chain does not stop it."""
+    _, deltas = make_deltas(tmp_path, 3)
+    url = str(tmp_path / "store")
+    commit_each(url, deltas)
+    shutil.rmtree(tmp_path / "store" / "manifests")
+    (tmp_path / "store" / "commits" / "v2.json").write_bytes(b"{not json")
+    result = push(deltas[0], url)
+    assert result.already_published and result.manifest_restored
+    assert (tmp_path / "store" / "manifests" / f"{result.manifest}.json").exists()
 
 
 def _publish_chain(url: str, deltas: list[Path], opts: dict | None = None) -> None:

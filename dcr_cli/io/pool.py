@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
@@ -99,7 +99,7 @@ def ordered_stream(
     *,
     budget: int,
     size: Callable[[T], int] = lambda _: 0,
-) -> Iterator[T]:
+) -> Generator[T, None, None]:
     """Run streaming tasks on a thread pool; yield every task's results, in task order, as they come.
 
     A task is ``(cost, fn)``: ``fn()`` returns an iterable of results (a generator streams them), and

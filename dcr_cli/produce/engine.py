@@ -9,10 +9,12 @@ training checkpoint in canonical coordinates, or live tensors (live.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -359,6 +361,7 @@ def execute(
     target_digests: dict[str, str] | None = None,
     created: str | None = None,
     budget: int | None = None,
+    before_writing: Callable[[], None] | None = None,
 ) -> DiffSummary | None:
     """Run the plan's units on a thread pool and write their items in plan order.
 
@@ -366,6 +369,8 @@ def execute(
     ``base_digests``/``target_digests`` are digests already known (e.g. by a live producer), and
     are completed in place with those the units compute; without them the sides' caches are asked.
     ``budget`` bounds the bytes the tasks in flight hold (default ``diff_budget(workers)``).
+    ``before_writing()`` is called before the first byte is written (the output directory included),
+    once the first item is ready: it may raise, and then nothing is written.
 
     With the CPU scan over memory views (HF directories), a tensor's digest unit and its ranges
     run as one task that hashes each tile of the scan while it is in cache, so the target is
@@ -680,14 +685,27 @@ def execute(
         if batch:
             yield _batch_cost(batch_bytes), Inline(_bind(batch_task, batch))
 
-    if plan.rank is not None:
-        from ..delta.parts import part_dir
+    def open_writer() -> DeltaWriter:
+        if before_writing is not None:
+            before_writing()
+        if plan.rank is not None:
+            from ..delta.parts import part_dir
 
-        writer = DeltaWriter(part_dir(out, plan.rank), on_block=on_block)
-    else:
-        writer = DeltaWriter(out, on_block=on_block)
+            return DeltaWriter(part_dir(out, plan.rank), on_block=on_block)
+        return DeltaWriter(out, on_block=on_block)
+
+    stream = ordered_stream(tasks(), workers, budget=budget, size=_item_bytes)
+    first = next(stream, None)  # the scan runs while ``before_writing`` waits (a check of the base on the store)
     try:
-        for item in ordered_stream(tasks(), workers, budget=budget, size=_item_bytes):
+        writer = open_writer()
+    except BaseException:
+        stream.close()
+        raise
+    try:
+        if first is not None:
+            writer.add(first)
+            del first
+        for item in stream:
             writer.add(item)
         if plan.rank is not None:
             from ..delta.parts import finish_part
@@ -928,10 +946,14 @@ def diff(
             done = existing_result(out, plan, b_side, n_side, base_version=base_version, target_version=target_version)
             if done is not None:
                 return done
+        checked: Future[None] | None = None
         if check_base is not None and rank is None:
             known = cached_base_ref(plan, b_side, base_version)
             if known is not None:
-                check_base(known)
+                # The check asks the store (round trips, across regions): the scan starts meanwhile, and
+                # the first write waits for the answer (``before_writing``), so a refused base still
+                # leaves nothing written and nothing uploaded.
+                checked = _in_background(functools.partial(check_base, known))
         if progress_total is not None:
             progress_total(plan.total_bytes)
         return execute(
@@ -945,7 +967,24 @@ def diff(
             level=level,
             progress=progress,
             on_block=on_block,
+            before_writing=None if checked is None else checked.result,
         )
     finally:
         _close(b_src)
         _close(n_src)
+
+
+def _in_background(fn: Callable[[], None]) -> Future[None]:
+    """``fn`` on a thread of its own; its outcome (or exception) in the future returned."""
+    done: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the waiter, who raises it
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=run, name="dcr-base-check", daemon=True).start()
+    return done

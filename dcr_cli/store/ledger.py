@@ -160,15 +160,17 @@ def commit(
     base = record.base.version
     questions: list[Callable[[], Any]] = [
         functools.partial(store.commit_on, base),  # conditions 2 and 3 (store-v1 §4.3) ...
-        functools.partial(store.is_committed, base),
+        functools.partial(_is_committed, store, base),
         functools.partial(store.list, f"{ACKS}/{version}"),  # ... and the first look at condition 4
     ]
     answers = parallel(questions, len(questions))
     successor: CommitRecord | None = answers[0]
-    base_committed: bool = answers[1]
+    base_committed: bool | None = answers[1]
     listing: list[Listing] = answers[2]
     if successor is not None:
         return _existing(store, record, successor)
+    if base_committed is None:  # a damaged record on the way: the head, as head() finds it around it
+        base_committed = store.head().version == base
     if not base_committed:
         head = store.head().version
         raise ConflictError(
@@ -193,10 +195,6 @@ def commit(
         what = f"a new acknowledgement of {version!r}"
         listing = poll(functools.partial(_changed_acks, store, version, seen), deadline, what, on_wait)
         on_wait = None
-    if store.publish_method is None:  # --allow-unsafe-publish: no create-only write; ask just before it
-        successor = store.commit_on(base)
-        if successor is not None:
-            return _existing(store, record, successor)
     commit_record = CommitRecord(
         version=version,
         base=record.base,
@@ -213,6 +211,14 @@ def commit(
         return _existing(store, record, done)
     _write_hint(store, record)
     return CommitResult(url, version, base, record.target.fingerprint, list(counted), False)
+
+
+def _is_committed(store: Store, version: str) -> bool | None:
+    """Whether ``version`` is the genesis or committed; None where a record on the way is damaged."""
+    try:
+        return store.is_committed(version)
+    except DcrError:
+        return None
 
 
 def _ack_names(listing: Sequence[Listing]) -> set[tuple[str, int, float | None]]:

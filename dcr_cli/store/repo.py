@@ -517,7 +517,10 @@ class Store:
             functools.partial(self.commit_on, ref.version),
             functools.partial(self.is_committed, ref.version, ref.fingerprint),
         ]
-        successor, committed = parallel(questions, len(questions))
+        try:
+            successor, committed = parallel(questions, len(questions))
+        except DcrError:  # a damaged record on the way: not known here; head() walks around what it can
+            return False
         return successor is None and bool(committed)
 
     def commit_on(self, base_version: str) -> CommitRecord | None:

@@ -385,15 +385,18 @@ def check_push_base(store: Store, base: Ref, target_version: str) -> None:
 
 
 def _version_and_head(store: Store, version: str, base: Ref) -> tuple[VersionRecord | None, Ref]:
-    """The record of ``version`` if published, and the committed head: ``base`` itself if it is the head
-    under that label (asked together with the record: one round trip where the records of ``base``
-    are known), else the head found by walking the chain."""
+    """The record of ``version`` if published, with its base (a re-run asks nothing about the head); else
+    None and the committed head: ``base`` itself if it is the head under that label (asked together
+    with the record: one round trip where the records of ``base`` are known), else the head found by
+    walking the chain."""
     questions: list[Callable[[], Any]] = [
         functools.partial(store.version, version),
         functools.partial(store.is_head, base),
     ]
     existing, is_head = parallel(questions, len(questions))
-    return existing, (base if is_head else store.head())
+    if existing is not None:
+        return existing, existing.base
+    return None, (base if is_head else store.head())
 
 
 def _upload_repairs(
