@@ -495,7 +495,7 @@ def published_remotely(local: Path, s3: S3Endpoint, url: str) -> Iterator[tuple[
     location = f"{url}/manifests/{Delta.open(local).id}.json"
     options = {**s3.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
     try:
-        yield lambda: Delta.open(location, storage_options=options), proxy
+        yield lambda **kw: Delta.open(location, storage_options=options, **kw), proxy
     finally:
         proxy.close()
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from store_fixtures import CountingProxy, S3Endpoint, big_delta, decodes_as, published_remotely, removed_after
 
+from dcr_cli.delta.prefetch import BlockFetcher
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.manifest import BlockEntry
 from dcr_cli.receive.vllm import node_copy
@@ -114,3 +116,53 @@ def test_the_copy_links_the_intact_offered_blocks_and_downloads_the_rest(offered
         assert sorted(os.listdir(copy)) == [".lock", "blocks"]  # no part file left behind
         decodes_as(node_copy.read_through_copy(open_remote(), str(copy)), local)
     assert (early / blocks[1].path).exists()  # the offer is the client's: left as it was
+
+
+def test_the_engine_reads_the_offered_manifest_instead_of_the_store(
+    remote: tuple[Path, Callable[[], Delta], CountingProxy], tmp_path: Path
+) -> None:
+    """The client leaves the manifest's bytes in its spool beside the blocks (``Delta.early_blocks``); each
+    rank that opens the delta with that offer reads them there, checked against the digest its
+    location names, instead of asking the store. A damaged, truncated or linked copy, or an offer
+    that is no absolute directory, costs the usual GET, never a failure."""
+    local, open_remote, proxy = remote
+    client = open_remote()
+    manifest = f"/manifests/{client.id}.json"
+    assert proxy.gets_for(manifest) == 1 and not client.manifest_offered
+    # What the client offers: its spool, with the blocks that arrived early and the manifest.
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    fetched = [b for b in client.manifest.blocks if b.role == "data"][:2]
+    fetcher = BlockFetcher(client.source, fetched, spool=spool)
+    deadline = time.monotonic() + 60
+    while not fetcher.settled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fetcher.complete
+    client.adopt_fetcher(fetcher)
+    offer = client.early_blocks()
+    assert offer == str(spool)
+    copy = spool / "manifests" / f"{client.id}.json"
+    assert copy.read_bytes() == (local / "manifest.json").read_bytes()
+
+    engine = open_remote(offered=offer)
+    assert engine.manifest_offered and engine.id == client.id and proxy.gets_for(manifest) == 1  # no GET
+    assert engine.manifest.items == client.manifest.items
+
+    good = copy.read_bytes()
+    for spoil in ("damaged", "truncated", "linked"):
+        copy.unlink()
+        if spoil == "damaged":
+            copy.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+        elif spoil == "truncated":
+            copy.write_bytes(good[:-1])
+        else:
+            (spool / "elsewhere.json").write_bytes(good)
+            os.symlink(spool / "elsewhere.json", copy)
+        before = proxy.gets_for(manifest)
+        again = open_remote(offered=offer)
+        assert not again.manifest_offered and again.id == client.id, spoil
+        assert proxy.gets_for(manifest) == before + 1, spoil
+    for unusable in (None, "", "spool", str(tmp_path / "nowhere")):
+        before = proxy.gets_for(manifest)
+        assert not open_remote(offered=unusable).manifest_offered
+        assert proxy.gets_for(manifest) == before + 1

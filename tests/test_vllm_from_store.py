@@ -77,7 +77,8 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
 
     # 2. Started before the producer publishes: it waits, then applies, verifies every tensor and acks.
     #    Meanwhile it fetches the data blocks the push announces (as `dcr diff --push` does, store-v1
-    #    §4.6), and the engine, on this node, reads them from the client's spool: none from the store.
+    #    §4.6), and the engine, on this node, reads them and the manifest from the client's spool: none
+    #    from the store.
     client_proxy = CountingProxy(s3_endpoint.url)
     waiting = subprocess.Popen(
         [sys.executable, "-m", "dcr_cli", "apply", s3_url, "--version", "step-2", "--wait", "300",
@@ -106,10 +107,12 @@ def test_a_vllm_server_receives_from_an_s3_store(server, chain, s3_endpoint, s3_
         client_proxy.close()
     assert waiting.returncode == 0, err
     assert "vLLM engine at version step-2" in out and "tensors of the vLLM engine match" in out, out
-    assert f"step-2: the engine read {len(data)} of the {len(data)} blocks fetched early" in out, out
+    said = f"the engine read {len(data)} of the {len(data)} blocks fetched early from this node, and the manifest"
+    assert f"step-2: {said}" in out, out
     assert get_json(server + "/weight_info")["weight_version"] == "step-2"
     fetched = _engine_fetches(engine_proxy, before)
-    assert not [p for (method, p), _ in fetched.items() if method == "GET" and "/blocks/" in p], fetched
+    asked = [p for (method, p), _ in fetched.items() if method == "GET" and ("/blocks/" in p or "/manifests/" in p)]
+    assert not asked, fetched
     assert all(client_proxy.gets_for(b.id) == 1 for b in data)  # and the client fetched each once
 
     # 3. Fail closed, the engine untouched and serving: a version that is not published in time (exit 4),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,13 +74,23 @@ class Delta:
     _fetchers: list[BlockFetcher] = field(default_factory=list, repr=False)  # remote blocks fetched or on the way
     # Sections read and checked ahead by preread, by id of their (live) Section: taken by read_section.
     _preread: dict[int, bytes] = field(default_factory=dict, repr=False)
+    # The manifest's bytes, where opened from a store location: offered with the early blocks (early_blocks).
+    _raw: bytes | None = field(default=None, repr=False)
+    manifest_offered: bool = False  # its bytes were taken from a directory offered to Delta.open, not read here
 
     def __post_init__(self) -> None:
         self.label = self.label or self.url
 
     @staticmethod
-    def open(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Delta:
-        """Open a delta directory, or a store manifest ``STORE/manifests/<digest>.json`` (see the module doc)."""
+    def open(
+        url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, offered: str | None = None
+    ) -> Delta:
+        """Open a delta directory, or a store manifest ``STORE/manifests/<digest>.json`` (see the module doc).
+
+        ``offered``: a local directory (absolute) where another process of this node may have left the
+        store manifest's bytes, as ``manifests/<digest>.json`` (a vLLM client's early spool,
+        ``early_blocks``): taken from there if they are a regular file with the digest the location
+        names, else read from the store as without it (a hint, never a failure)."""
         location = os.fspath(url)
         try:
             fs, path = fsspec.core.url_to_fs(location, **(storage_options or {}))
@@ -92,8 +103,11 @@ class Delta:
         else:
             root, manifest_path, expected = path, f"{path}/{MANIFEST_NAME}", None
         source = BlockSource(fs, root, label=location)
+        raw = _offered_manifest(offered, expected) if expected is not None else None
+        from_offer = raw is not None
         try:
-            raw = source.call(lambda: _read_manifest(source, manifest_path), f"read {manifest_path}")
+            if raw is None:
+                raw = source.call(lambda: _read_manifest(source, manifest_path), f"read {manifest_path}")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise FormatError(
                 f"{location} is not a dcr delta (no {MANIFEST_NAME}); was it fully written or pulled?"
@@ -115,7 +129,16 @@ class Delta:
                 base_version=manifest.base.version,
                 target_version=manifest.target.version,
             )
-        return Delta(location, manifest, digest, len(raw), source, manifest_path=manifest_path)
+        delta = Delta(location, manifest, digest, len(raw), source, manifest_path=manifest_path)
+        if in_store is not None:
+            delta.keep_manifest_bytes(raw)
+            delta.manifest_offered = from_offer
+        return delta
+
+    def keep_manifest_bytes(self, raw: bytes) -> None:
+        """Keep the manifest's bytes (as read, with this delta's id) to offer with the early blocks."""
+        assert len(raw) == self.manifest_bytes
+        self._raw = raw
 
     # -- where the blocks are (kept for callers that use the filesystem directly) --------------------------------
 
@@ -309,6 +332,13 @@ class Delta:
                     os.makedirs(directory, exist_ok=True)
                     with contextlib.suppress(FileExistsError):
                         os.link(path, os.path.join(directory, block_id))
+            if spool is not None and self._raw is not None:
+                # The manifest too: the engine's ranks on this node read it here instead of the store
+                # (Delta.open(offered=...)), checked against the digest their location names.
+                os.makedirs(os.path.join(spool, STORE_MANIFESTS), exist_ok=True)
+                # (no fsync: the spool dies with this process; a reader that finds it partial reads the store)
+                with open(os.path.join(spool, STORE_MANIFESTS, f"{self.id}.json"), "wb") as f:
+                    f.write(self._raw)
         except OSError:
             return None
         return spool
@@ -365,6 +395,23 @@ class Delta:
         for item in self.manifest.items:
             groups.setdefault(item.tensor, []).append(item)
         yield from groups.items()
+
+
+def _offered_manifest(offered: str | None, digest: str) -> bytes | None:
+    """The bytes of manifest ``digest`` that the directory ``offered`` holds as ``manifests/<digest>.json``,
+    if it is a regular file within the format's limit with that digest; else None (read the store)."""
+    if not offered or not os.path.isabs(offered):
+        return None
+    from ..io.reading import read_regular_file
+
+    path = os.path.join(offered, STORE_MANIFESTS, f"{digest}.json")
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # not a link, as offered blocks (node_copy.early_blocks)
+            return None
+        raw = read_regular_file(path, 0, MAX_MANIFEST_BYTES + 1)
+    except OSError:
+        return None
+    return raw if len(raw) <= MAX_MANIFEST_BYTES and digest_bytes(raw) == digest else None
 
 
 def _read_manifest(source: BlockSource, path: str) -> bytes:

@@ -947,7 +947,7 @@ def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bo
             f"{store.record_fix(record, shortcut)}"
         )
     rel = f"{STORE_MANIFESTS}/{record.manifest}.json"
-    return Delta(
+    delta = Delta(
         store.path(rel) if "://" not in store.url else f"{store.url.rstrip('/')}/{rel}",
         manifest,
         record.manifest,
@@ -956,6 +956,8 @@ def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bo
         label=label,
         manifest_path=store.path(rel),
     )
+    delta.keep_manifest_bytes(raw)
+    return delta
 
 
 def _damaged_manifest(store: Store, record: VersionRecord) -> bool:

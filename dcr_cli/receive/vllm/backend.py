@@ -132,7 +132,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         """
         self.drop_spool()
         receiver = self.receiver
-        delta = receiver.agree(lambda: open_in_frozen_heap(location))
+        delta = receiver.agree(lambda: open_in_frozen_heap(location, early))
         self.early_blocks = 0
         if receiver.single:
             # Blocks the client offers (fetched while it waited) are read where it spooled them (hard
@@ -329,11 +329,14 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
             "state": receiver.state.to_json(),
             "session_open": _session_open(wrapper),
             "early_blocks": engine.early_blocks,
+            "manifest_offered": delta.manifest_offered,  # read from the client's spool, not the store
         }
     if op == "verify":
         table = None
         if args.get("delta"):
-            table = open_in_frozen_heap(args["delta"]).manifest.tensors
+            early = args.get("early")
+            offered = early if isinstance(early, str) else None  # as prepare's: a hint for the manifest only
+            table = open_in_frozen_heap(args["delta"], offered).manifest.tensors
         elif args.get("table"):
             table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in args["table"].items()}
         return {"ok": True, **receiver.verify(table)}

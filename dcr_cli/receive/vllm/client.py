@@ -43,7 +43,7 @@ def delta_location(delta: str | os.PathLike[str] | Delta) -> str:
     return url if "://" in url else os.path.abspath(url)
 
 
-def open_in_frozen_heap(location: str) -> Delta:
+def open_in_frozen_heap(location: str, offered: str | None = None) -> Delta:
     """``Delta.open`` in a process whose heap vLLM froze (a worker, or the caller of an in-process ``LLM``).
 
     ``Delta.open`` parses under ``io.gc_pause.no_collections``, whose end promotes the parse's
@@ -51,13 +51,14 @@ def open_in_frozen_heap(location: str) -> Delta:
     in CPython walks the whole frozen heap: vLLM freezes everything its engine allocated
     (``freeze_gc_heap``), so each open paid 105-117 ms (medium bench, three opens per apply) to learn
     that nothing was to be done. With the collector disabled around the open, ``no_collections`` skips
-    that end, which in a frozen heap is exactly what it would have done.
+    that end, which in a frozen heap is exactly what it would have done. ``offered``: see ``Delta.open``
+    (the client's early spool: the manifest is read there, not from the store, where it is intact).
     """
     if not gc.isenabled():
-        return Delta.open(location)
+        return Delta.open(location, offered=offered)
     gc.disable()
     try:
-        return Delta.open(location)
+        return Delta.open(location, offered=offered)
     finally:
         gc.enable()
 
@@ -312,7 +313,11 @@ def _apply_claimed(engine: Engine, location: str, opened: Delta, log: Callable[[
     answers = engine.rpc("prepare", delta=location, **offer)  # raises before anything is touched
     taken = max(int(a.get("early_blocks") or 0) for a in answers)
     if early is not None and log:
-        log(f"{target}: the engine read {taken} of the {opened.fetched_early} blocks fetched early from this node")
+        manifest = ", and the manifest" if all(a.get("manifest_offered") for a in answers) else ""
+        log(
+            f"{target}: the engine read {taken} of the {opened.fetched_early} blocks fetched early from this node"
+            f"{manifest}"
+        )
     modes = {a["mode"] for a in answers}
     prepare_seconds = time.perf_counter() - started
     if modes == {"noop"}:
@@ -478,6 +483,9 @@ def _failed(engine: Engine, statuses: list[dict[str, Any]] | None, error: tuple[
 def verify_engine(engine: Engine, delta: str | os.PathLike[str] | Delta | None = None) -> dict[str, Any]:
     """Read every canonical tensor back through vLLM's placement; raise VerifyFailed on a mismatch."""
     args = {} if delta is None else {"delta": delta_location(delta)}
+    early = delta.early_blocks() if isinstance(delta, Delta) else None
+    if early is not None:  # the manifest, as prepare reads it: from this node's spool rather than the store
+        args["early"] = early
     answer = engine.rpc("verify", **args)[0]
     if answer["mismatched"]:
         names = answer["mismatched"]
