@@ -123,8 +123,8 @@ def test_the_engine_reads_the_offered_manifest_instead_of_the_store(
 ) -> None:
     """The client leaves the manifest's bytes in its spool beside the blocks (``Delta.early_blocks``); each
     rank that opens the delta with that offer reads them there, checked against the digest its
-    location names, instead of asking the store. A damaged, truncated or linked copy, or an offer
-    that is no absolute directory, costs the usual GET, never a failure."""
+    location names, instead of asking the store. A damaged, truncated or linked copy, a FIFO, or an
+    offer that is no absolute directory (or no path at all), costs the usual GET, never a failure."""
     local, open_remote, proxy = remote
     client = open_remote()
     manifest = f"/manifests/{client.id}.json"
@@ -149,20 +149,22 @@ def test_the_engine_reads_the_offered_manifest_instead_of_the_store(
     assert engine.manifest.items == client.manifest.items
 
     good = copy.read_bytes()
-    for spoil in ("damaged", "truncated", "linked"):
+    for spoil in ("damaged", "truncated", "linked", "fifo"):
         copy.unlink()
         if spoil == "damaged":
             copy.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
         elif spoil == "truncated":
             copy.write_bytes(good[:-1])
-        else:
+        elif spoil == "linked":
             (spool / "elsewhere.json").write_bytes(good)
             os.symlink(spool / "elsewhere.json", copy)
+        else:
+            os.mkfifo(copy)  # never opened: it would block
         before = proxy.gets_for(manifest)
         again = open_remote(offered=offer)
         assert not again.manifest_offered and again.id == client.id, spoil
         assert proxy.gets_for(manifest) == before + 1, spoil
-    for unusable in (None, "", "spool", str(tmp_path / "nowhere")):
+    for unusable in (None, "", "spool", str(tmp_path / "nowhere"), "/x\x00y", "/\ud800"):
         before = proxy.gets_for(manifest)
         assert not open_remote(offered=unusable).manifest_offered
         assert proxy.gets_for(manifest) == before + 1

@@ -332,15 +332,17 @@ class Delta:
                     os.makedirs(directory, exist_ok=True)
                     with contextlib.suppress(FileExistsError):
                         os.link(path, os.path.join(directory, block_id))
-            if spool is not None and self._raw is not None:
-                # The manifest too: the engine's ranks on this node read it here instead of the store
-                # (Delta.open(offered=...)), checked against the digest their location names.
-                os.makedirs(os.path.join(spool, STORE_MANIFESTS), exist_ok=True)
-                # (no fsync: the spool dies with this process; a reader that finds it partial reads the store)
-                with open(os.path.join(spool, STORE_MANIFESTS, f"{self.id}.json"), "wb") as f:
-                    f.write(self._raw)
         except OSError:
             return None
+        if spool is not None and self._raw is not None:
+            # The manifest too: the engine's ranks on this node read it here instead of the store
+            # (Delta.open(offered=...)), checked against the digest their location names. Without it
+            # (a full TMPDIR) the blocks are offered still.
+            # (No fsync: the spool dies with this process; a reader that finds it partial reads the store.)
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.join(spool, STORE_MANIFESTS), exist_ok=True)
+                with open(os.path.join(spool, STORE_MANIFESTS, f"{self.id}.json"), "wb") as f:
+                    f.write(self._raw)
         return spool
 
     def cancel_fetches(self) -> None:
@@ -404,12 +406,12 @@ def _offered_manifest(offered: str | None, digest: str) -> bytes | None:
         return None
     from ..io.reading import read_regular_file
 
-    path = os.path.join(offered, STORE_MANIFESTS, f"{digest}.json")
     try:
+        path = os.path.join(offered, STORE_MANIFESTS, f"{digest}.json")
         if not stat.S_ISREG(os.lstat(path).st_mode):  # not a link, as offered blocks (node_copy.early_blocks)
             return None
         raw = read_regular_file(path, 0, MAX_MANIFEST_BYTES + 1)
-    except OSError:
+    except (OSError, ValueError, DcrError):  # gone, swapped for a FIFO or a directory, a NUL in the path: the store
         return None
     return raw if len(raw) <= MAX_MANIFEST_BYTES and digest_bytes(raw) == digest else None
 

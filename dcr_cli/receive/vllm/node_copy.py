@@ -187,7 +187,9 @@ def sweep_stale_copies(root: str) -> list[str]:
 def read_through_copy(delta: Delta, directory: str) -> Delta:
     """``delta`` with its data blocks read from ``directory`` (this node's copy), everything else as before."""
     source = NodeCopySource(delta.source, directory, {b.id for b in data_blocks(delta)})
-    return Delta(delta.url, delta.manifest, delta.id, delta.manifest_bytes, source, delta.label, delta.manifest_path)
+    copy = Delta(delta.url, delta.manifest, delta.id, delta.manifest_bytes, source, delta.label, delta.manifest_path)
+    copy.manifest_offered = delta.manifest_offered  # where this rank's manifest came from, as prepare reports it
+    return copy
 
 
 def _private_root() -> str:
