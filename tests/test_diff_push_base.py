@@ -60,3 +60,20 @@ def test_without_cached_digests_the_push_still_refuses_the_base_after_the_diff(t
     assert got.returncode != 0
     assert "is not the committed baseline" in got.stderr
     assert not (store / "versions" / "v2.json").exists()
+
+
+def test_a_store_that_cannot_take_the_push_refuses_it_before_anything_is_written(tmp_path: Path) -> None:
+    """The store's client is set up on a thread while the scan starts; its refusal still comes before the
+    first write, with or without cached base digests (the writer waits for the set-up either way)."""
+    (c0, c1, _), _ = make_deltas(tmp_path, 2)
+    for name, env in (("cached", None), ("uncached", {"DCR_CACHE_DIR": ""})):
+        out = tmp_path / f"d-{name}"
+        got = run_dcr(
+            "diff", str(c0), str(c1), "-o", str(out), "--base-version", "v0", "--target-version", "v1",
+            "--push", "dir::memory://dcr-no-atomic-create", env=env,
+        )  # fmt: skip
+        assert got.returncode != 0
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("dcr: error: dir::memory://dcr-no-atomic-create: this store")
+        assert "cannot create an object atomically" in lines[0]
+        assert not out.exists() and not list(tmp_path.glob(f".{out.name}.partial-*"))

@@ -14,8 +14,12 @@ from .common import emit_json, handle_errors, human_bytes, say, sized_progress
 from .store_options import parse_storage_options, storage_options
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from ..delta.summary import DiffSummary
     from ..format.manifest import VersionRef
+    from ..store import BlockUploader
+    from ..store.repo import Store
 
 Counter = Callable[[int], None]
 
@@ -114,29 +118,47 @@ def command(
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
     if (rank is None) != (world_size is None) or (rank is not None and world_size is not None and rank >= world_size):
         raise IncompatibleError("give --rank and --world-size together, with rank < world size")
-    uploader = None
+    setup: Future[tuple[BlockUploader, Store]] | None = None
     check_base: Callable[[VersionRef], None] | None = None
+    on_block: Callable[[str, bytes], None] | None = None
+    store_ready: Callable[[], None] | None = None
     if push_url:
         if rank is not None:
             raise IncompatibleError("--push publishes a whole delta: run dcr push OUT URL after dcr assemble")
-        from ..store import BlockUploader
+        from ..io.pool import in_background
+        from ..store import BlockUploader, DeferredUploader
         from ..store.repo import Ref, Store, check_distinct_labels, check_label
 
         # What the push after the diff would refuse, refused before the diff and before any block is uploaded.
         if target_version is not None:
             check_label(target_version, "the delta's target version")
             check_distinct_labels(target_version, base_version, "--target-version")
-        # A known label: each block is announced as it lands, for receivers waiting for the version.
-        uploader = BlockUploader(push_url, parse_storage_options(storage_option), announce=target_version)
-        # One Store for the check before the diff and the push after it: the records it found are not asked again.
-        store = Store(push_url, parse_storage_options(storage_option))
+        options = parse_storage_options(storage_option)
+        url = push_url
+
+        def connect() -> tuple[BlockUploader, Store]:
+            # A known label: each block is announced as it lands, for receivers waiting for the version.
+            uploader = BlockUploader(url, options, announce=target_version)
+            # One Store for the check before the diff and the push after it: the records it found are not asked again.
+            return uploader, Store(url, options)
+
+        # The store's client (its imports and session: tenths of a second) is set up while the scan
+        # starts; the first write waits for it, so a store that cannot take the push (no atomic
+        # publish, no access) still leaves nothing written and nothing uploaded.
+        setup = in_background(connect, "dcr-store-setup")
+        ready = setup
+        on_block = DeferredUploader(lambda: ready.result()[0])
+
+        def store_ready() -> None:
+            ready.result()
+
         if target_version is not None:  # (without it, the version a re-run would find is not known yet)
             from ..store.transfer import check_push_base
 
             label = target_version
 
             def check_base(base: VersionRef) -> None:
-                check_push_base(store, Ref(base.version, base.fingerprint), label)
+                check_push_base(ready.result()[1], Ref(base.version, base.fingerprint), label)
 
     config = None
     if profile is not None:
@@ -160,22 +182,24 @@ def command(
             profile=config,
             rank=rank,
             world_size=world_size,
-            on_block=uploader,
+            on_block=on_block,
             progress_total=set_total,
             check_base=check_base,
+            before_writing=store_ready,
         )
     pushed = None
-    if uploader is not None and push_url is not None:
+    uploader = None
+    if setup is not None and push_url is not None:
         from ..store import push
         from ..store.transfer import PushResult
 
+        uploader, store = setup.result()
         uploader.wait()
 
         def published(result: PushResult) -> None:
             if result.repair_pending:  # receivers can start now; the repair blocks go up after publication
                 say(f"{push_url}: published {result.version} (repair blocks follow)", err=True)
 
-        options = parse_storage_options(storage_option)
         pushed = push(
             out, push_url, storage_options=options, on_published=published, fresh=uploader.uploaded, store=store
         )

@@ -74,6 +74,26 @@ def parallel(tasks: Iterable[Callable[[], T]], workers: int) -> list[T]:
             raise
 
 
+def in_background(fn: Callable[[], T], name: str) -> Future[T]:
+    """``fn`` on a daemon thread of its own, started now; its result (or exception) in the future returned.
+
+    For one slow setup step (a store's client, a round trip) that the caller's own work can overlap:
+    the caller waits on the future only where it needs the answer.
+    """
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the waiter, who raises it
+            done.set_exception(exc)
+        else:
+            done.set_result(result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
 def _settle(entry: Future[T] | Inline[T]) -> T:
     return entry() if isinstance(entry, Inline) else entry.result()
 

@@ -43,7 +43,7 @@ from ..format.kernels import scan_changes
 from ..format.manifest import Op, Region, TensorEntry, VersionRef, fingerprint
 from ..io.files import NO_ROOM, named
 from ..io.gc_pause import fewer_collections
-from ..io.pool import Inline, check_workers, default_workers, ordered_stream
+from ..io.pool import Inline, check_workers, default_workers, in_background, ordered_stream
 from .plan import (
     CHUNK_BYTES,
     Band,
@@ -906,6 +906,7 @@ def diff(
     on_block: Callable[[str, bytes], None] | None = None,
     progress_total: Callable[[int], None] | None = None,
     check_base: Callable[[VersionRef], None] | None = None,
+    before_writing: Callable[[], None] | None = None,
 ) -> DiffSummary | None:
     """Write a delta that turns checkpoint ``base`` into checkpoint ``new``.
 
@@ -925,6 +926,8 @@ def diff(
     base's digests are all in the digest cache (the steady state of a stream: no read at all); it may
     raise to refuse the base (``dcr diff --push`` refuses one that is not the store's head there, before
     the diff and before any block is uploaded). Without cached digests it is not called.
+    ``before_writing()`` is called before the first byte is written, after the scan has started (the
+    caller's own setup, such as the store's client, overlaps it); it may raise, and then nothing is written.
     """
     check_options(workers, level, rank, world_size)
     fmt, b_src, n_src = open_pair(base, new, format, profile)
@@ -953,7 +956,7 @@ def diff(
                 # The check asks the store (round trips, across regions): the scan starts meanwhile, and
                 # the first write waits for the answer (``before_writing``), so a refused base still
                 # leaves nothing written and nothing uploaded.
-                checked = _in_background(functools.partial(check_base, known))
+                checked = in_background(functools.partial(check_base, known), "dcr-base-check")
         if progress_total is not None:
             progress_total(plan.total_bytes)
         return execute(
@@ -967,24 +970,19 @@ def diff(
             level=level,
             progress=progress,
             on_block=on_block,
-            before_writing=None if checked is None else checked.result,
+            before_writing=_both(before_writing, None if checked is None else checked.result),
         )
     finally:
         _close(b_src)
         _close(n_src)
 
 
-def _in_background(fn: Callable[[], None]) -> Future[None]:
-    """``fn`` on a thread of its own; its outcome (or exception) in the future returned."""
-    done: Future[None] = Future()
+def _both(first: Callable[[], None] | None, second: Callable[[], None] | None) -> Callable[[], None] | None:
+    if first is None or second is None:
+        return first or second
 
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # handed to the waiter, who raises it
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
+    def both() -> None:
+        first()
+        second()
 
-    threading.Thread(target=run, name="dcr-base-check", daemon=True).start()
-    return done
+    return both

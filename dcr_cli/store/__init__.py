@@ -12,13 +12,14 @@ from .collect import GcResult, gc
 from .keyframes import pull_since
 from .ledger import CommitResult, VersionInfo, acknowledge, commit, committed_base, log, status
 from .repo import Ref, Store, VersionRecord
-from .streaming import BlockUploader
+from .streaming import BlockUploader, DeferredUploader
 from .transfer import PullResult, PushResult, is_store, open_delta, open_version, pull, push
 
 __all__ = [
     "BlockUploader",
     "CheckResult",
     "CommitResult",
+    "DeferredUploader",
     "GcResult",
     "PullResult",
     "PushResult",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -98,3 +99,16 @@ class BlockUploader:
                 future.result()
         finally:
             self._pool.shutdown(wait=True)
+
+
+class DeferredUploader:
+    """The ``on_block`` of a diff whose uploader is still being set up (``dcr diff --push`` makes the
+    store's client on a thread while the scan starts): each block waits for ``get()``, the uploader."""
+
+    roles = BlockUploader.roles
+
+    def __init__(self, get: Callable[[], BlockUploader]) -> None:
+        self._get = get
+
+    def __call__(self, block_id: str, data: bytes) -> None:
+        self._get()(block_id, data)
