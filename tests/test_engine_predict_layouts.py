@@ -125,7 +125,9 @@ def _steady_apply(make: Callable[[], torch.nn.Module], shapes: dict[str, tuple[i
     assert receiver.prepare(delta) == "apply"  # reads back the base: the version is known from here on
     assert receiver._staged is not None
     items = delta.manifest.items
-    kinds = {(items[k].tensor, p.ready) for k, p in receiver._staged.prepared.items()}
+    # Small ready items are joined per parameter for the pause (WriteBatch), leaving their Prepared empty.
+    batched = {k for batch in receiver._staged.batches for k in batch.keys}
+    kinds = {(items[k].tensor, p.ready or k in batched) for k, p in receiver._staged.prepared.items()}
     digested: list[str] = []
     real = EngineReceiver.tensor_digest
 

@@ -31,6 +31,7 @@ from vllm_support import (
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IncompatibleError
 from dcr_cli.receive.vllm import apply_to_llm, verify_llm
+from dcr_cli.receive.vllm.apply import EngineReceiver
 
 pytestmark = pytest.mark.vllm
 
@@ -77,8 +78,21 @@ def _chain_with_crash_matches_fresh_engine(paths, monkeypatch) -> None:
         apply_to_llm(llm, root / "d2")
     assert differing(resident_bits(llm), base_bits) == []
 
-    # d1 crashes in the middle of a write (after 40 whole writes: inside the expert tensors), then resumes.
-    _apply_with_crash(llm, root / "d1", monkeypatch, 40)
+    # d1 crashes in the middle of a write, then resumes. The expert items (each under 32K elements) are
+    # written in a batch per parameter (WriteBatch, one call for many items): the first such call is cut
+    # in half, which leaves the items before its middle done, tears the one there, and the rest pending.
+    batch_indices: list = []
+    real_write_and_prove = EngineReceiver._write_and_prove
+
+    def recording(self, *args, **kwargs):
+        batches = args[7] if len(args) > 7 else kwargs.get("batches", ())
+        batch_indices.extend(batch.index for batch in batches)
+        assert any(".mlp.experts." in name for batch in batches for name in batch.tensors), "experts not batched"
+        return real_write_and_prove(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineReceiver, "_write_and_prove", recording)
+    _apply_with_crash(llm, root / "d1", monkeypatch, 0, crash_if=lambda index: any(index is b for b in batch_indices))
+    monkeypatch.setattr(EngineReceiver, "_write_and_prove", real_write_and_prove)
     assert differing(resident_bits(llm), base_bits), "the interrupted apply wrote nothing"
     report = apply_to_llm(llm, root / "d1")
     assert report["status"] == "resumed" and report["done"] >= 1 and report["repaired"] >= 1, report

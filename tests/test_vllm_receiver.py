@@ -117,8 +117,9 @@ class _Crash(RuntimeError):
     pass
 
 
-def _apply_with_crash(llm, delta, monkeypatch, writes_before_crash: int) -> None:
-    """Apply ``delta`` and crash in the middle of one item's write (half of its elements written)."""
+def _apply_with_crash(llm, delta, monkeypatch, writes_before_crash: int, crash_if=None) -> None:
+    """Apply ``delta`` and crash in the middle of one item's write (half of its elements written):
+    after ``writes_before_crash`` writes, or at the first write ``crash_if(index)`` holds for."""
     from dcr_cli.receive.vllm import apply as engine_apply
 
     real_write = engine_apply._write_elements
@@ -126,7 +127,7 @@ def _apply_with_crash(llm, delta, monkeypatch, writes_before_crash: int) -> None
 
     def crashing_write(flat, index, values):
         calls["n"] += 1
-        if calls["n"] > writes_before_crash:
+        if (crash_if(index) if crash_if is not None else calls["n"] > writes_before_crash):
             half = max(1, len(index) // 2)
             real_write(flat, index[:half], values[:half])
             raise _Crash("transfer killed")

@@ -21,7 +21,7 @@ weights, TP replicas) all end with the same bits.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -34,7 +34,7 @@ from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import from_torch, numpy_int
 from ...format.kernels import compile_scatter, gather, scatter, scatter_checked
-from ...format.manifest import Item, TensorEntry, fingerprint
+from ...format.manifest import Item, Manifest, TensorEntry, fingerprint
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .layout import check_resident_layout, mla_derived_params
@@ -108,12 +108,11 @@ class EngineState:
     fingerprint: str | None = None
     # While an apply is unfinished: {"delta_id", "base": {version, fingerprint}, "target": {...}}.
     applying: dict[str, Any] | None = None
-    table: dict[str, dict] = field(default_factory=dict)  # tensor table of ``fingerprint`` (when known)
+    table: dict[str, TensorEntry] = field(default_factory=dict)  # tensor table of ``fingerprint`` (when known)
 
     def held_table(self) -> dict[str, TensorEntry] | None:
         """The table of the version held, where dcr knows it (proven by a read-back or an apply)."""
-        table = {n: TensorEntry(t["dtype"], tuple(t["shape"]), t["digest"]) for n, t in self.table.items()}
-        return table if table and fingerprint(table) == self.fingerprint else None
+        return self.table if self.table and fingerprint(self.table) == self.fingerprint else None
 
     def to_json(self) -> dict:
         # Not asdict(): that would deep-copy the whole tensor table only to drop it.
@@ -205,6 +204,23 @@ class Staged:
     phases: dict[str, float] = field(default_factory=dict)  # of the prepare: check, fingerprint, predict
     predicted: frozenset[str] = frozenset()  # tensors whose target digest the first pass proved
     placements: dict[str, Placement] = field(default_factory=dict)  # those the kept items were located by
+    batches: list[WriteBatch] = field(default_factory=list)  # the small ready items' writes, per parameter
+
+
+@dataclass
+class WriteBatch:
+    """Small ready items of predicted tensors that write one parameter, joined for one compiled scatter.
+
+    Built by ``prepare`` (``_write_batches``): the pause then writes an MoE layer's hundreds of expert
+    items with one call, not one each. The items keep no arrays of their own (no second copy): where
+    the batch cannot be used (a parameter rebound since prepare), each is decoded again.
+    """
+
+    flat: torch.Tensor  # the parameter's whole storage as integers
+    index: np.ndarray
+    values: np.ndarray
+    keys: frozenset[int]  # the items (manifest indices)
+    tensors: frozenset[str]  # the tensors they belong to
 
 
 @dataclass
@@ -280,6 +296,14 @@ class EngineReceiver:
         self._placements: dict[str, Placement] = {}
         self._resident: dict[str, torch.Tensor] | None = None
         self._storage_ptrs: dict[str, int | None] = {}
+        # Placements found still valid in this operation (_cached), each with the shape and dtype it was
+        # checked for: the pause asks for each tensor's several times, and an MoE model has tens of thousands.
+        self._valid: dict[str, tuple[Placement, tuple[int, ...], str]] = {}
+        # The table every placement of which is valid in this operation (trace_all found the storage of
+        # every resident parameter where it was when they were last checked), and that table with the
+        # storages then: the pause checks the parameters (hundreds), not the tensors (MoE: tens of thousands).
+        self._all_valid: dict[str, TensorEntry] | None = None
+        self._traced: tuple[dict[str, TensorEntry], dict[str, int | None]] | None = None
         # _aliased's last answer and the placements it was computed from (a function of them alone).
         self._aliased_memo: tuple[list[tuple[str, Placement | None]], set[str]] | None = None
         # Items decoded and located by the check pass, for the write pass (bounded by PREPARED_BYTES).
@@ -295,6 +319,23 @@ class EngineReceiver:
         self._aliased_names: set[str] = set()  # tensors sharing storage with another, found by _predict
         self._predict_seconds = 0.0
         self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
+        # The items of the last manifest by tensor (_grouped), and that manifest: prepare, the pause's
+        # passes and the proof each walk them, and an MoE manifest has tens of thousands.
+        self._grouped_memo: tuple[Manifest, list[tuple[str, list[tuple[int, Item]]]]] | None = None
+        # The last manifest whose tensor table matched its fingerprint (check_table), kept so that the
+        # pause does not hash the table again for the delta that prepare checked.
+        self._table_checked: Manifest | None = None
+        # Bumped whenever a placement is traced (replaced): what is computed from placements keys on it.
+        self._placement_epoch = 0
+        # The tensors of a table grouped by the parameters they write (_storage_groups), largest group
+        # first, with the table and the placement epoch it was computed for.
+        self._groups_memo: tuple[dict[str, TensorEntry], int, list[list[str]]] | None = None
+
+    def _grouped(self, delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:
+        memo = self._grouped_memo
+        if memo is None or memo[0] is not delta.manifest:
+            memo = self._grouped_memo = (delta.manifest, _grouped(delta))
+        return memo[1]
 
     def exchange(self, obj: Any) -> list[Any]:
         """All-gather ``obj``; raises PeerFailed where another rank sent its failure instead."""
@@ -321,17 +362,25 @@ class EngineReceiver:
     def _begin(self) -> None:
         self._resident = None  # parameters may have been replaced since the last operation
         self._storage_ptrs = {}
+        self._valid = {}
+        self._all_valid = None
 
     # ------------------------------------------------------------------ placement
 
     def _cached(self, name: str, entry: TensorEntry) -> Placement | None:
         cached = self._placements.get(name)
+        if self._all_valid is not None and self._all_valid.get(name) is entry:
+            return cached
+        valid = self._valid.get(name)
+        if valid is not None and valid[0] is cached and valid[1] == entry.shape and valid[2] == entry.dtype:
+            return cached
         if (
             cached is not None
             and cached.shape == entry.shape
             and cached.dtype == TORCH_DTYPES[entry.dtype]
             and all(self._storage_ptr(p) == ptr for p, ptr in cached.storages.items())
         ):
+            self._valid[name] = (cached, entry.shape, entry.dtype)
             return cached
         return None
 
@@ -341,13 +390,28 @@ class EngineReceiver:
             return cached
         placement = trace_placement(self.model, name, entry.shape, TORCH_DTYPES[entry.dtype])
         self._placements[name] = placement
+        self._placement_epoch += 1
+        self._traced = None  # (a placement replaced: trace_all checks each one again)
         return placement
 
     def trace_all(self, table: dict[str, TensorEntry]) -> None:
-        """Placements of every tensor of ``table`` not known yet: batches of them per loader call."""
+        """Placements of every tensor of ``table`` not known yet: batches of them per loader call.
+
+        Where every resident parameter's storage is where it was when this very table's placements
+        were last checked (a steady refit's pause, after its prepare), they all still hold, as each
+        one's own check (``_cached``: its parameters' storages) would find, without asking per tensor.
+        """
+        storages = {param: self._storage_ptr(param) for param in self.resident()}
+        traced = self._traced
+        if traced is not None and traced[0] is table and traced[1] == storages:
+            self._all_valid = table
+            return
         missing = {n: (e.shape, TORCH_DTYPES[e.dtype]) for n, e in table.items() if self._cached(n, e) is None}
         if missing:
             self._placements.update(trace_placements(self.model, missing))
+            self._placement_epoch += 1
+        self._traced = (table, storages)  # (tracing runs the loader on placeholders: no storage moves)
+        self._all_valid = table
 
     def locate(self, placement: Placement, canonical: np.ndarray) -> list[Located]:
         """Where this rank holds ``canonical`` positions: per destination, the positions hit and storage indices."""
@@ -546,10 +610,12 @@ class EngineReceiver:
         modules = list(self.model.named_modules())  # one walk for the three layout checks (an apply's pause runs them)
         check_layout_kept(self.model, modules)
         check_resident_layout(self.model, modules)  # repacked, reordered, transposed or padded after loading
-        receiver_plan.check_table(m, delta.url)
-        for name, entry in m.tensors.items():
-            if entry.dtype not in TORCH_DTYPES:
-                raise FormatError(f"{name}: unsupported dtype {entry.dtype}")
+        if self._table_checked is not m:  # (the pause, after prepare checked this very manifest: done)
+            receiver_plan.check_table(m, delta.url)
+            for name, entry in m.tensors.items():
+                if entry.dtype not in TORCH_DTYPES:
+                    raise FormatError(f"{name}: unsupported dtype {entry.dtype}")
+            self._table_checked = m
         self.trace_all(m.tensors)  # rejects what cannot be applied exactly, before any write
         derived = mla_derived_params(self.model, modules)
         if derived:
@@ -588,9 +654,12 @@ class EngineReceiver:
         return result
 
     def _reached(self, version: str, fp: str, table: dict[str, TensorEntry]) -> None:
+        """Record ``version``: ``table`` is its tensor table, whose fingerprint the caller has checked is
+        ``fp`` (a manifest's target table by ``check_table``, a read-back's by computing it). Kept as it
+        is, not converted: an MoE table of tens of thousands of tensors would cost the pause milliseconds."""
         self.state.version, self.state.fingerprint, self.state.applying = version, fp, None
-        self.state.table = {n: t.to_json() for n, t in table.items()}
-        self._held = (fp, table) if fingerprint(table) == fp else None
+        self.state.table = table
+        self._held = (fp, table)
 
     def held_table(self) -> dict[str, TensorEntry] | None:
         """The table of the version held (``EngineState.held_table``, without rebuilding it each time)."""
@@ -636,6 +705,9 @@ class EngineReceiver:
         phases["predict"] = self._predict_seconds
         items = delta.manifest.items
         placements = {items[k].tensor: self._placements[items[k].tensor] for k in prepared}
+        batches = [] if resuming or not self.single else self._write_batches(delta, prepared)
+        if self.single and self._all_valid is delta.manifest.tensors:
+            self._write_groups(delta.manifest.tensors)  # for the pause
         self._staged = Staged(
             delta.id,
             self._state_key(),
@@ -645,8 +717,54 @@ class EngineReceiver:
             phases,
             frozenset(self._predicted),
             placements,
+            batches,
         )
         return mode
+
+    def _write_groups(self, table: dict[str, TensorEntry]) -> list[list[str]]:
+        """The tensors of ``table`` grouped by the parameters they write (``_storage_groups``), largest
+        group first; computed once per table and placements (prepare), not in the pause. Placements
+        must be current (``trace_all``)."""
+        memo = self._groups_memo
+        if memo is not None and memo[0] is table and memo[1] == self._placement_epoch:
+            return memo[2]
+        placements = {n: self._placements[n] for n in table}
+        nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
+        groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
+        groups.sort(key=lambda g: -sum(nbytes[n] for n in g))
+        self._groups_memo = (table, self._placement_epoch, groups)
+        return groups
+
+    def _write_batches(self, delta: Delta, prepared: dict[int, Prepared]) -> list[WriteBatch]:
+        """The small ready items of the predicted tensors that share no storage element with another
+        destination, joined per parameter (``WriteBatch``), where that saves calls: two items or more.
+
+        Those tensors' items have distinct indices, so one scatter writes what the items would one by
+        one, and the read-back of each element (``_write_elements``) checks them as it does an item's;
+        they are not digested after the writes, so no digest depends on when the batch runs.
+        """
+        tensors = self._predicted - self._aliased_names
+        by_param: dict[str, list[tuple[int, str, Prepared]]] = {}
+        for name, items in self._grouped(delta):
+            if name not in tensors:
+                continue
+            for k, _ in items:
+                p = prepared.get(k)
+                if p is not None and p.ready and p.new is not None and p.new.size <= SMALL_ITEM_ELEMENTS:
+                    by_param.setdefault(p.located[0].dest.param, []).append((k, name, p))
+        batches = []
+        for members in by_param.values():
+            if len(members) < 2:
+                continue
+            flat = members[0][2].located[0].flat
+            bits = flat.numpy().dtype
+            index = np.concatenate([p.located[0].index for _, _, p in members])
+            values = np.concatenate([p.new.view(bits) for _, _, p in members if p.new is not None])
+            for _, _, p in members:  # the batch holds their bits now: one copy, not two
+                p.new, p.values, p.current, p.canonical, p.located, p.ready = None, None, None, None, [], False
+            keys = frozenset(k for k, _, _ in members)
+            batches.append(WriteBatch(flat, index, values, keys, frozenset(name for _, name, _ in members)))
+        return batches
 
     def _untouched_and_first_pass(
         self,
@@ -703,11 +821,14 @@ class EngineReceiver:
         try:
             t = time.perf_counter()
             kept = staged.prepared if staged is not None else {}
+            staged_batches = staged.batches if staged is not None else []
             # Items the staged pass could not keep are checked again here, in the same agreed phase as
             # the untouched tensors' check (a rank that refuses fails every rank; none is left waiting).
             again = len(kept) < len(m.items)
             # ... and kept within what the staged ones left of the budget: one PREPARED_BYTES in all.
-            self._prepared_bytes = sum(p.nbytes for p in kept.values())
+            if again:
+                held = [p.nbytes for p in kept.values()] + [b.index.nbytes + b.values.nbytes for b in staged_batches]
+                self._prepared_bytes = sum(held)
             self.agree(lambda: self._untouched_and_first_pass(delta, base_table, resuming, kept, first_pass=again))
             prepared = {**kept, **self._prepared}
             staged_items = len(kept)
@@ -731,13 +852,18 @@ class EngineReceiver:
             # recorded. On one rank each tensor is digested right after its writes, on all cores;
             # a tensor whose target digest the first pass proved (_predict) has its written
             # elements read back instead.
-            names = sorted(receiver_plan.touched(m)) if base_table is not None else sorted(m.tensors)
+            names = [name for name, _ in self._grouped(delta)] if base_table is not None else list(m.tensors)
             # Tensors sharing storage (with another tensor, or two destinations of one) are digested
-            # whole after the writes, touched or not (_aliased).
+            # whole after the writes, touched or not (_aliased). Sorted: every rank digests in one order.
             names = sorted({*names, *self._aliased_names})
             t = time.perf_counter()
             if self.single:
-                digests = self._write_and_prove(delta, resuming, prepared, names, predicted, report, phases)
+                # The staged batches hold where their tensors are still predicted and not aliased (a
+                # parameter rebound since prepare makes one aliased): else their items go one by one.
+                batches = staged_batches if not resuming else []
+                if batches and not all(b.tensors <= predicted for b in batches):
+                    batches = []
+                digests = self._write_and_prove(delta, resuming, prepared, names, predicted, report, phases, batches)
                 report.proof_seconds = phases["proof_cpu"]
             else:
                 self.agree(lambda: self._write_in_order(delta, resuming, prepared, report))
@@ -760,15 +886,15 @@ class EngineReceiver:
         report.seconds = time.perf_counter() - started
         return report
 
-    def _count(self, report: ApplyReport, kind: str, written: int) -> None:
-        setattr(report, kind, getattr(report, kind) + 1)
-        report.items += 1
+    def _count(self, report: ApplyReport, kind: str, written: int, items: int = 1) -> None:
+        setattr(report, kind, getattr(report, kind) + items)
+        report.items += items
         report.written_elements += written
 
     def _write_in_order(self, delta: Delta, resuming: bool, prepared: dict[int, Prepared], report: ApplyReport) -> None:
         """Every item, tensor by tensor, in manifest order (several ranks: they exchange per item in step)."""
         m = delta.manifest
-        for name, items in _grouped(delta):
+        for name, items in self._grouped(delta):
             placement = self.placement(name, m.tensors[name])
             for k, item in items:
                 self._count(report, *self.apply_item(delta, item, placement, resuming, prepared.pop(k, None)))
@@ -782,6 +908,7 @@ class EngineReceiver:
         predicted: set[str],
         report: ApplyReport,
         phases: dict[str, float],
+        batches: Sequence[WriteBatch] = (),
     ) -> dict[str, str]:
         """One rank: write the items and digest the tensors ``names``, on all cores, each tensor
         digested right after its own writes (while its lines are still in cache), except those whose
@@ -790,15 +917,49 @@ class EngineReceiver:
 
         Tensors whose destinations share a parameter (q/k/v in ``qkv_proj``, gate/up, tied
         weights) form one task, so no tensor is digested while another task writes into its
-        storage. Largest tasks first. Returns the digests.
+        storage. Largest tasks first. ``batches``: the staged small items' writes (``WriteBatch``), a task
+        each; their items are not written again. Returns the digests.
         """
         m = delta.manifest
-        by_tensor = dict(_grouped(delta))
-        placements = {n: self.placement(n, m.tensors[n]) for n in {*names, *by_tensor}}  # traced here, not in threads
+        by_tensor = dict(self._grouped(delta))
+        if self._all_valid is m.tensors:  # every placement checked in this operation (trace_all): as they are
+            placements = {n: self._placements[n] for n in {*names, *by_tensor}}
+        else:
+            # (traced here, not in threads)
+            placements = {n: self.placement(n, m.tensors[n]) for n in {*names, *by_tensor}}
         self.resident()
-        groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
-        nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
+        groups = self._write_groups(m.tensors) if self._all_valid is m.tensors else None
+        if groups is None:  # (placements not all checked in this operation: of the tensors in play only)
+            nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
+            groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
+            groups.sort(key=lambda g: -sum(nbytes[n] for n in g))
         digested = set(names) - predicted
+        phases["writes_cpu"] = phases["proof_cpu"] = 0.0
+        started = time.perf_counter()
+        # The small ready items of predicted tensors are written in batches, a compiled scatter per
+        # parameter for all of them (an MoE layer's experts: hundreds of items, one call), as tasks of
+        # their own: those tensors share no storage element with another and are not digested after
+        # the writes, so no digest depends on when these writes run.
+        if batches:
+            batched = {name for b in batches for name in b.tensors}
+            for b in batches:
+                self._count(report, "applied", int(b.index.size), len(b.keys))
+            keys = set().union(*(b.keys for b in batches))
+            by_tensor = {
+                n: ([(k, it) for k, it in items if k not in keys] if n in batched else items)
+                for n, items in by_tensor.items()
+            }
+            by_tensor = {n: items for n, items in by_tensor.items() if items}
+        # Groups with nothing left to write or digest take no task (a steady MoE refit: most of them).
+        groups = [g for g in groups if any(n in by_tensor or n in digested for n in g)]
+
+        def write_batch(batch: WriteBatch) -> Callable[[], _WriteResult]:
+            def run() -> _WriteResult:
+                t = time.perf_counter()
+                _write_elements(batch.flat.numpy(), batch.index, batch.values)
+                return [], {}, time.perf_counter() - t, 0.0
+
+            return run
 
         def task(group: list[str]) -> Callable[[], _WriteResult]:
             def run() -> _WriteResult:
@@ -806,6 +967,8 @@ class EngineReceiver:
                 digests: dict[str, str] = {}
                 writing = hashing = 0.0
                 for name in group:
+                    if name not in by_tensor and name not in digested:
+                        continue
                     t = time.perf_counter()
                     for k, item in by_tensor.get(name, ()):
                         counts.append(self.apply_item(delta, item, placements[name], resuming, prepared.pop(k, None)))
@@ -817,11 +980,9 @@ class EngineReceiver:
 
             return run
 
-        ordered = sorted(groups, key=lambda g: -sum(nbytes[n] for n in g))
         digests: dict[str, str] = {}
-        phases["writes_cpu"] = phases["proof_cpu"] = 0.0
-        started = time.perf_counter()
-        for counts, got, writing, hashing in ordered_parallel((task(g) for g in ordered), default_workers()):
+        tasks = [*(write_batch(b) for b in batches), *(task(g) for g in groups)]
+        for counts, got, writing, hashing in ordered_parallel(tasks, default_workers()):
             for kind, count in counts:
                 self._count(report, kind, count)
             digests.update(got)
@@ -842,7 +1003,7 @@ class EngineReceiver:
         """
         where = f"vLLM engine (recorded version {self.state.version})"
         todo = []
-        for name, items in _grouped(delta):
+        for name, items in self._grouped(delta):
             placement = self.placement(name, delta.manifest.tensors[name])
             todo += [(k, item, placement) for k, item in items if not (skip and k in skip)]
         resident = self.resident()  # collected once, before any thread reads it
@@ -910,10 +1071,12 @@ class EngineReceiver:
         overlaid: list[tuple[str, Placement, list[Prepared]]] = []
         assembled: list[tuple[str, list[Prepared]]] = []
         aliased = self._aliased_names
-        for name, items in _grouped(delta):
+        for name, items in self._grouped(delta):
+            if name in self._predicted or name in aliased:  # (the pause after a staged prepare: every tensor)
+                continue
             got_all = [prepared.get(k) for k, _ in items]
             kept = [p for p in got_all if p is not None and p.new is not None]
-            if name in self._predicted or name in aliased or len(kept) != len(items):
+            if len(kept) != len(items):
                 continue
             placement = self.placement(name, m.tensors[name])
             if _casts(placement):
@@ -930,7 +1093,7 @@ class EngineReceiver:
         # Overlaid in storage within the first pass's budget, less what the kept items hold (in
         # batches whose copies fit it together); a larger tensor is predicted as before where its items
         # kept their canonical positions (read back whole), else digested after the writes.
-        room = PREPARED_BYTES - sum(p.nbytes for p in prepared.values())
+        room = PREPARED_BYTES - sum(p.nbytes for p in prepared.values()) if overlaid else 0
         batches: list[list[tuple[str, Placement, list[Prepared]]]] = []
         held = 0
         for name, placement, kept in sorted(overlaid, key=lambda t: -_overlay_bytes(t[1])):
@@ -1224,6 +1387,11 @@ def _overlaid_in_storage(placement: Placement, flats: dict[str, torch.Tensor], k
             scatter(copy, at.index - lo, new.view(copy.dtype))
     pieces = _held_pieces(placement, {param: (copies[param], lo) for param, (lo, _) in regions.items()})
     return digest_bytes(_canonical_of(placement, [pieces]))
+
+
+# Ready items of at most this many elements are written in batches (WriteBatch): the
+# items of an MoE layer's experts, each a few thousand elements, cost a call each otherwise.
+SMALL_ITEM_ELEMENTS = 1 << 15
 
 
 def _storage_groups(params: dict[str, list[str]]) -> list[list[str]]:
