@@ -127,7 +127,7 @@ def _apply_with_crash(llm, delta, monkeypatch, writes_before_crash: int, crash_i
 
     def crashing_write(flat, index, values):
         calls["n"] += 1
-        if (crash_if(index) if crash_if is not None else calls["n"] > writes_before_crash):
+        if crash_if(index) if crash_if is not None else calls["n"] > writes_before_crash:
             half = max(1, len(index) // 2)
             real_write(flat, index[:half], values[:half])
             raise _Crash("transfer killed")
