@@ -5,7 +5,9 @@
     PYTHONPATH=. python benchmarks/bench_vllm.py --rates 0.03,0.03,0.03,0.005,0.005 --repeat 5   # best of several
 
 Synthetic corpus (default, nothing downloaded): a Qwen3-shaped BF16 checkpoint with random weights
-(``--size``: tiny ~4 MiB, small ~44 MiB, medium ~0.5 GiB, large ~1 GiB); each later version changes
+(``--size``: tiny ~4 MiB, small ~44 MiB, medium ~0.5 GiB, large ~1 GiB; ``moe``: Qwen3-MoE-shaped with
+128 experts per layer in 8 layers, 3,147 tensors in 51 MiB, ``moe-48``: 48 layers, 18,867 tensors, where
+the number of tensors and items is what costs); each later version changes
 the given fraction of all elements at uniformly random positions (a step in the low mantissa bits,
 like an RL step in BF16). Version v1 is the first rate, v2.. each rate in turn, so the engine sees
 
@@ -51,28 +53,18 @@ SHAPES = {
     "medium": (1024, 3072, 16, 16, 8, 32000),
     "large": (2048, 6144, 10, 32, 8, 32000),
 }
+# Qwen3-MoE-shaped, narrow (hidden 128, expert width 64), with Qwen3-30B-A3B's 128 experts per layer, in
+# the per-expert spelling of Hugging Face checkpoints: layers, experts. What costs there is the number
+# of tensors and items (moe: 3,147 tensors, 51 MiB; moe-48: 48 layers as the 30B model, 18,867 tensors).
+MOE_SHAPES = {"moe": (8, 128), "moe-48": (48, 128)}
 
 
 def synthetic_versions(work: Path, size: str, rates: list[float], seed: int = 0) -> list[Path]:
     """v0 (random BF16 weights) and one version per rate, each changing that fraction of v(k-1)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    hidden, inter, layers, heads, kv, vocab = SHAPES[size]
-    config = Qwen3Config(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=vocab,
-        head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    with torch.device("meta"):
-        shapes = {n: tuple(t.shape) for n, t in Qwen3ForCausalLM(config).state_dict().items()}
+    config, shapes = _moe_shapes(size) if size in MOE_SHAPES else _dense_shapes(size)
     rng = np.random.default_rng(seed)
     bits: dict[str, np.ndarray] = {}
     for name, shape in shapes.items():
@@ -83,7 +75,7 @@ def synthetic_versions(work: Path, size: str, rates: list[float], seed: int = 0)
             values = rng.standard_normal(n, dtype=np.float32) * 0.02
         bits[name] = (values.view(np.uint32) >> 16).astype(np.uint16)
     cfg = config.to_dict()
-    cfg.update(torch_dtype="bfloat16", dtype="bfloat16", architectures=["Qwen3ForCausalLM"])
+    cfg.update(torch_dtype="bfloat16", dtype="bfloat16", architectures=config.architectures)
 
     def save(k: int) -> Path:
         out = work / f"v{k}"
@@ -100,6 +92,61 @@ def synthetic_versions(work: Path, size: str, rates: list[float], seed: int = 0)
             b[mask] ^= rng.integers(1, 4, size=int(mask.sum()), dtype=np.uint16)
         paths.append(save(k))
     return paths
+
+
+def _dense_shapes(size: str) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hidden, inter, layers, heads, kv, vocab = SHAPES[size]
+    config = Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    with torch.device("meta"):
+        return config, {n: tuple(t.shape) for n, t in Qwen3ForCausalLM(config).state_dict().items()}
+
+
+def _moe_shapes(size: str) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    layers, experts = MOE_SHAPES[size]
+    hidden, width = 128, 64
+    config = Qwen3MoeConfig(
+        hidden_size=hidden,
+        intermediate_size=256,
+        moe_intermediate_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=1024,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    with torch.device("meta"):  # transformers fuses the experts in memory; checkpoints spell them one by one
+        shapes = {
+            n: tuple(t.shape) for n, t in Qwen3MoeForCausalLM(config).state_dict().items() if ".mlp.experts." not in n
+        }
+    for layer in range(layers):
+        for e in range(experts):
+            prefix = f"model.layers.{layer}.mlp.experts.{e}."
+            shapes |= {prefix + "gate_proj.weight": (width, hidden), prefix + "up_proj.weight": (width, hidden)}
+            shapes[prefix + "down_proj.weight"] = (hidden, width)
+    return config, shapes
 
 
 def proof_floor(
@@ -147,7 +194,7 @@ def proof_floor(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="synthetic", choices=["synthetic", "train"])
-    parser.add_argument("--size", default="medium", choices=sorted(SHAPES))
+    parser.add_argument("--size", default="medium", choices=[*SHAPES, *MOE_SHAPES])
     parser.add_argument("--rates", default="0.03,0.03,0.005", help="change rate of each version after v0")
     parser.add_argument("--repeat", type=int, default=3, help="dense reloads and verifies to time (median)")
     parser.add_argument("--lr", type=float, default=1e-6, help="--source train: AdamW learning rate")
