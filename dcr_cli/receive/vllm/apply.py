@@ -303,6 +303,9 @@ class EngineReceiver:
         # every resident parameter where it was when they were last checked), and that table with the
         # storages then: the pause checks the parameters (hundreds), not the tensors (MoE: tens of thousands).
         self._all_valid: dict[str, TensorEntry] | None = None
+        # Each parameter's whole storage as integers (flat_storage), once per operation: a view costs
+        # tens of microseconds to make, and an MoE apply asks for one per item and per tensor.
+        self._flats: dict[str, torch.Tensor] = {}
         self._traced: tuple[dict[str, TensorEntry], dict[str, int | None]] | None = None
         # _aliased's last answer and the placements it was computed from (a function of them alone).
         self._aliased_memo: tuple[list[tuple[str, Placement | None]], set[str]] | None = None
@@ -359,11 +362,18 @@ class EngineReceiver:
             ptr = self._storage_ptrs[param] = None if tensor is None else tensor.untyped_storage().data_ptr()
         return ptr
 
+    def _flat(self, param: str) -> torch.Tensor:
+        flat = self._flats.get(param)
+        if flat is None:  # (two threads may both make it: the same view)
+            flat = self._flats[param] = flat_storage(self.resident()[param])
+        return flat
+
     def _begin(self) -> None:
         self._resident = None  # parameters may have been replaced since the last operation
         self._storage_ptrs = {}
         self._valid = {}
         self._all_valid = None
+        self._flats = {}
 
     # ------------------------------------------------------------------ placement
 
@@ -415,7 +425,6 @@ class EngineReceiver:
 
     def locate(self, placement: Placement, canonical: np.ndarray) -> list[Located]:
         """Where this rank holds ``canonical`` positions: per destination, the positions hit and storage indices."""
-        resident = self.resident()
         located = []
         for dest in placement.destinations:
             hit: np.ndarray | slice
@@ -429,7 +438,7 @@ class EngineReceiver:
             else:
                 hit, index = dest.locate(canonical)
             if index.size:
-                located.append(Located(dest, hit, index, flat_storage(resident[dest.param])))
+                located.append(Located(dest, hit, index, self._flat(dest.param)))
         return located
 
     def assemble(self, placement: Placement, count: int, located: list[Located]) -> tuple[np.ndarray, bool]:
@@ -498,13 +507,12 @@ class EngineReceiver:
         """``spans``, each with the destination whose storage it is."""
         if not self.single:
             return None
-        resident = self.resident()
         out: list[tuple[Destination, np.ndarray]] = []
         at = 0
         for dest in sorted(placement.destinations, key=lambda d: d.src_offset):
             if dest.cast(placement.dtype) or not dest.contiguous or dest.src_offset != at:
                 return None
-            flat = flat_storage(resident[dest.param])
+            flat = self._flat(dest.param)
             if flat.device.type != "cpu":
                 return None
             out.append((dest, _as_uint(flat[dest.dst_offset : dest.dst_offset + dest.numel])))
@@ -547,8 +555,7 @@ class EngineReceiver:
         so bit for bit); memory is one tensor, not an index table.
         """
         placement = self.placement(name, entry)
-        resident = self.resident()
-        local = _held_pieces(placement, {d.param: (flat_storage(resident[d.param]), 0) for d in placement.destinations})
+        local = _held_pieces(placement, {d.param: (self._flat(d.param), 0) for d in placement.destinations})
         return _canonical_of(placement, self.exchange(local))
 
     # ------------------------------------------------------------------ version
@@ -1011,13 +1018,18 @@ class EngineReceiver:
         for width in sorted(widths):  # here, before the pause (and agreed): its writes never wait for the compiler
             compile_scatter(numpy_int(width))
 
-        def task(k: int, item: Item, placement: Placement) -> Callable[[], tuple[int, Prepared]]:
-            def run() -> tuple[int, Prepared]:
-                prepared = self._read(placement, self._locate_item(delta, item, placement))
-                kind = receiver_plan.classify(prepared.digest, item, resuming, where)
-                if not resuming and kind == "pending":
-                    self._compute_new(delta, item, placement, prepared)
-                return k, prepared
+        def one(k: int, item: Item, placement: Placement) -> tuple[int, Prepared]:
+            prepared = self._read(placement, self._locate_item(delta, item, placement))
+            kind = receiver_plan.classify(prepared.digest, item, resuming, where)
+            if not resuming and kind == "pending":
+                self._compute_new(delta, item, placement, prepared)
+            return k, prepared
+
+        def task(chunk: list[tuple[int, Item, Placement]]) -> Callable[[], list[tuple[int, Prepared]]]:
+            def run() -> list[tuple[int, Prepared]]:
+                if len(chunk) > 1:  # their data sections, next to each other in a block: one read for all
+                    delta.preread([item.data for _, item, _ in chunk], lambda i: f"{chunk[i][1].tensor} data")
+                return [one(*t) for t in chunk]
 
             return run
 
@@ -1025,15 +1037,23 @@ class EngineReceiver:
             # Largest first: results are consumed in submission order from a window of 2 x workers,
             # so a large item (an embedding's, 10x a layer's) behind small ones holds the window while
             # the other cores run out of work. Several ranks keep the manifest's order (the same on all).
-            todo.sort(key=lambda t: -t[1].count)
-        tasks = (task(*t) for t in todo)
+            # The small ones (stable sort) keep the manifest's order, and go in chunks, a task each (an
+            # MoE layer's expert items: one hand-off to a worker and one read per chunk, not per item);
+            # one item per task on several ranks (they exchange per item).
+            todo.sort(key=lambda t: -t[1].count if t[1].count >= CHUNK_ELEMENTS else 0)
+            chunks = _chunks(todo, lambda t: t[1].count)
+        else:
+            chunks = [[t] for t in todo]
+        tasks = (task(chunk) for chunk in chunks)
         # One rank: items on all cores (zstd, BLAKE3 and numpy's copies release the GIL); several
         # ranks exchange pieces per item, in the same order on every rank.
         results = ordered_parallel(tasks, default_workers()) if self.single else (run() for run in tasks)
-        for k, prepared in results:
-            if self._prepared_bytes + prepared.nbytes <= PREPARED_BYTES:
-                self._prepared[k] = prepared
-                self._prepared_bytes += prepared.nbytes
+        for done in results:
+            for k, prepared in done:
+                nbytes = prepared.nbytes
+                if self._prepared_bytes + nbytes <= PREPARED_BYTES:
+                    self._prepared[k] = prepared
+                    self._prepared_bytes += nbytes
         if not self.single:
             # Ranks hold different shares of an item, so each fills its budget differently: keep only the
             # items every rank kept, so all take the same steps (and exchanges) from here on.
@@ -1111,12 +1131,21 @@ class EngineReceiver:
             agreed = set.intersection(*(set(names) for names in self.exchange([n for n, _ in assembled])))
             assembled = [(n, kept) for n, kept in assembled if n in agreed]
 
-        def task(name: str, runs: list[tuple[Destination, np.ndarray]], kept: list[Prepared]) -> Callable[[], Any]:
-            return lambda: (name, _overlaid_digest(runs, kept))
+        Todo = tuple[str, list[tuple[Destination, np.ndarray]], list[Prepared]]
 
-        todo.sort(key=lambda t: -sum(run.nbytes for _, run in t[1]))  # largest first (see _first_pass)
-        got = dict(ordered_parallel((task(*t) for t in todo), default_workers()))
-        flats = {d.param: flat_storage(resident[d.param]) for _, p, _ in overlaid for d in p.destinations}
+        def task(chunk: list[Todo]) -> Callable[[], list[tuple[str, str]]]:
+            return lambda: [(name, _overlaid_digest(runs, kept)) for name, runs, kept in chunk]
+
+        def elements(t: Todo) -> int:
+            return sum(run.size for _, run in t[1])
+
+        todo.sort(key=lambda t: -elements(t))  # largest first (see _first_pass); small tensors in chunks
+        got = {
+            name: d
+            for done in ordered_parallel(map(task, _chunks(todo, elements)), default_workers())
+            for name, d in done
+        }
+        flats = {d.param: self._flat(d.param) for _, p, _ in overlaid for d in p.destinations}
 
         def overlay(name: str, placement: Placement, kept: list[Prepared]) -> Callable[[], tuple[str, str]]:
             return lambda: (name, _overlaid_in_storage(placement, flats, kept))
@@ -1387,6 +1416,27 @@ def _overlaid_in_storage(placement: Placement, flats: dict[str, torch.Tensor], k
             scatter(copy, at.index - lo, new.view(copy.dtype))
     pieces = _held_pieces(placement, {param: (copies[param], lo) for param, (lo, _) in regions.items()})
     return digest_bytes(_canonical_of(placement, [pieces]))
+
+
+# Items (or tensors) under this many elements go to the worker pool in chunks of about this many
+# elements (_chunks): below it, a hand-off to a worker costs more than the item's own work.
+CHUNK_ELEMENTS = 1 << 16
+CHUNK_MOST = 64  # ... and of at most this many (the window of tasks in flight stays fine-grained)
+
+
+def _chunks(todo: list[T], size: Callable[[T], int]) -> list[list[T]]:
+    """``todo`` in order, cut into runs of small entries of about CHUNK_ELEMENTS in all; a large one alone."""
+    chunks: list[list[T]] = []
+    held = 0
+    for t in todo:
+        n = size(t)
+        if n >= CHUNK_ELEMENTS or not chunks or held >= CHUNK_ELEMENTS or len(chunks[-1]) >= CHUNK_MOST:
+            chunks.append([t])
+            held = n
+        else:
+            chunks[-1].append(t)
+            held += n
+    return chunks
 
 
 # Ready items of at most this many elements are written in batches (WriteBatch): the

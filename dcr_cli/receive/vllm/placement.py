@@ -18,6 +18,7 @@ embeddings, experts); this module holds no model-specific knowledge.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -96,7 +97,9 @@ class Destination:
     src_size: tuple[int, ...]
     src_stride: tuple[int, ...]
 
-    @property
+    # (cached: asked per item and per tensor, tens of thousands of times in an MoE apply; a frozen
+    # dataclass's cached_property writes the instance's __dict__, not a field)
+    @functools.cached_property
     def numel(self) -> int:
         n = 1
         for s in self.dst_size:
@@ -106,7 +109,7 @@ class Destination:
     def cast(self, canonical_dtype: torch.dtype) -> bool:
         return self.dst_dtype != canonical_dtype
 
-    @property
+    @functools.cached_property
     def contiguous(self) -> bool:
         """Both views are C-contiguous runs: storage index = canonical index - src_offset + dst_offset."""
         return _c_contiguous(self.src_size, self.src_stride) and _c_contiguous(self.dst_size, self.dst_stride)
