@@ -1474,17 +1474,22 @@ def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prep
     new bits of the elements that change put in place there, the buffer digested. Reads only."""
     digest = StreamingDigest(threads=False)  # one tensor per core (the caller's pool)
     for dest, run in runs:
-        mine = [p for p in kept if p.located[0].dest == dest]
+        mine = [p for p in kept if p.located[0].dest is dest or p.located[0].dest == dest]
         bits = numpy_int(run.itemsize)
         index = np.concatenate([p.located[0].index for p in mine]) - dest.dst_offset if mine else np.zeros(0, np.int64)
         values = np.concatenate([p.new.view(bits) for p in mine if p.new is not None]) if mine else np.zeros(0, bits)
+        step = max(1, OVERLAY_PIECE_BYTES // run.itemsize)
+        if index.size and run.size <= step:  # one piece (an expert's tensor): in any order, no edges to find
+            held = np.array(run.view(bits))
+            scatter(held, index, values)
+            digest.update(held)
+            continue
         if index.size > 1 and not bool((index[1:] > index[:-1]).all()):  # items in another order than the tensor's
             order = np.argsort(index, kind="stable")
             index, values = index[order], values[order]
         if not index.size:
             digest.update(run)
             continue
-        step = max(1, OVERLAY_PIECE_BYTES // run.itemsize)
         # The piece edges in the index's own dtype where they fit it (searching casts the index otherwise).
         fits = run.size + step <= np.iinfo(index.dtype).max
         edges = np.searchsorted(index, np.arange(0, run.size + step, step, dtype=index.dtype if fits else np.int64))
