@@ -68,15 +68,16 @@ def check_untouched(manifest: Manifest, base_table: dict[str, TensorEntry], wher
     first write (an item dropped from an otherwise valid manifest, say).
     """
     changed = touched(manifest)
-    for name, entry in sorted(manifest.tensors.items()):
-        if name in changed:
-            continue
-        held = base_table.get(name)
-        if held is None or held.digest != entry.digest:
-            raise IntegrityError(
-                f"{where}: tensor {quote(name)} differs between base and target but no item changes it; "
-                "the manifest is incomplete or tampered — nothing was written"
-            )
+    bad = [
+        name
+        for name, entry in manifest.tensors.items()
+        if name not in changed and ((held := base_table.get(name)) is None or held.digest != entry.digest)
+    ]
+    if bad:  # the first by name, as a sorted walk would meet it (without sorting 100k names each time)
+        raise IntegrityError(
+            f"{where}: tensor {quote(min(bad))} differs between base and target but no item changes it; "
+            "the manifest is incomplete or tampered — nothing was written"
+        )
 
 
 def unproven(manifest: Manifest, digests: dict[str, str]) -> list[str]:

@@ -21,7 +21,7 @@ weights, TP replicas) all end with the same bits.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import from_torch, numpy_int
 from ...format.kernels import compile_scatter, gather, scatter, scatter_checked
 from ...format.manifest import Item, Manifest, TensorEntry, fingerprint
+from ...io.gc_pause import fewer_collections
 from ...io.pool import default_workers, ordered_parallel
 from .. import plan as receiver_plan
 from .layout import check_resident_layout, mla_derived_params
@@ -213,7 +214,8 @@ class WriteBatch:
 
     Built by ``prepare`` (``_write_batches``): the pause then writes an MoE layer's hundreds of expert
     items with one call, not one each. The items keep no arrays of their own (no second copy): where
-    the batch cannot be used (a parameter rebound since prepare), each is decoded again.
+    the update cannot use the batch (a tensor of it aliased since prepare: no longer proven before
+    the pause), they go through its first pass again, before its first write.
     """
 
     flat: torch.Tensor  # the parameter's whole storage as integers
@@ -221,6 +223,7 @@ class WriteBatch:
     values: np.ndarray
     keys: frozenset[int]  # the items (manifest indices)
     tensors: frozenset[str]  # the tensors they belong to
+    whole: frozenset[str]  # ... those of them whose items are all in this batch
 
 
 @dataclass
@@ -312,6 +315,7 @@ class EngineReceiver:
         # Items decoded and located by the check pass, for the write pass (bounded by PREPARED_BYTES).
         self._prepared: dict[int, Prepared] = {}
         self._prepared_bytes = 0
+        self._batch_bytes = 0  # what the staged write batches hold, in the update (part of PREPARED_BYTES)
         self._staged: Staged | None = None
         self._skip_blocks = False
         # In prepare, a remote delta's blocks download while the first pass reads them (each section is
@@ -322,6 +326,10 @@ class EngineReceiver:
         self._aliased_names: set[str] = set()  # tensors sharing storage with another, found by _predict
         self._predict_seconds = 0.0
         self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
+        # The manifest and base table check_untouched last passed (identical objects: the same answer).
+        self._untouched_checked: tuple[Manifest, dict[str, TensorEntry]] | None = None
+        # _aliased's last answer for a table and placement epoch (the pause after prepare: one lookup).
+        self._aliased_fast: tuple[dict[str, TensorEntry], int, set[str]] | None = None
         # The items of the last manifest by tensor (_grouped), and that manifest: prepare, the pause's
         # passes and the proof each walk them, and an MoE manifest has tens of thousands.
         self._grouped_memo: tuple[Manifest, list[tuple[str, list[tuple[int, Item]]]]] | None = None
@@ -332,7 +340,7 @@ class EngineReceiver:
         self._placement_epoch = 0
         # The tensors of a table grouped by the parameters they write (_storage_groups), largest group
         # first, with the table and the placement epoch it was computed for.
-        self._groups_memo: tuple[dict[str, TensorEntry], int, list[list[str]]] | None = None
+        self._groups_memo: tuple[dict[str, TensorEntry], int, list[list[str]], dict[str, int]] | None = None
 
     def _grouped(self, delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:
         memo = self._grouped_memo
@@ -679,6 +687,9 @@ class EngineReceiver:
 
     # ------------------------------------------------------------------ apply
 
+    # An MoE table keeps a few objects per tensor alive (items, entries, placements, kept items): the
+    # collector's passes over them find nothing, and in the pause they cost tens of milliseconds.
+    @fewer_collections()
     @torch.no_grad()
     def prepare(self, delta: Delta) -> str:
         """What the client runs before it pauses the engine: every check and the first pass.
@@ -739,8 +750,15 @@ class EngineReceiver:
         nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
         groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
         groups.sort(key=lambda g: -sum(nbytes[n] for n in g))
-        self._groups_memo = (table, self._placement_epoch, groups)
+        at = {name: i for i, group in enumerate(groups) for name in group}
+        self._groups_memo = (table, self._placement_epoch, groups, at)
         return groups
+
+    def _write_group_of(self, table: dict[str, TensorEntry]) -> dict[str, int]:
+        """Tensor -> its group's index in ``_write_groups(table)``."""
+        self._write_groups(table)
+        assert self._groups_memo is not None
+        return self._groups_memo[3]
 
     def _write_batches(self, delta: Delta, prepared: dict[int, Prepared]) -> list[WriteBatch]:
         """The small ready items of the predicted tensors that share no storage element with another
@@ -751,8 +769,9 @@ class EngineReceiver:
         they are not digested after the writes, so no digest depends on when the batch runs.
         """
         tensors = self._predicted - self._aliased_names
+        grouped = dict(self._grouped(delta))
         by_param: dict[str, list[tuple[int, str, Prepared]]] = {}
-        for name, items in self._grouped(delta):
+        for name, items in grouped.items():
             if name not in tensors:
                 continue
             for k, _ in items:
@@ -770,7 +789,9 @@ class EngineReceiver:
             for _, _, p in members:  # the batch holds their bits now: one copy, not two
                 p.new, p.values, p.current, p.canonical, p.located, p.ready = None, None, None, None, [], False
             keys = frozenset(k for k, _, _ in members)
-            batches.append(WriteBatch(flat, index, values, keys, frozenset(name for _, name, _ in members)))
+            names = frozenset(name for _, name, _ in members)
+            whole = frozenset(n for n in names if all(k in keys for k, _ in grouped[n]))
+            batches.append(WriteBatch(flat, index, values, keys, names, whole))
         return batches
 
     def _untouched_and_first_pass(
@@ -782,12 +803,15 @@ class EngineReceiver:
         first_pass: bool = True,
         blocks: bool = False,
     ) -> None:
-        if base_table is not None:
+        if base_table is not None and self._untouched_checked != (delta.manifest, base_table):
             receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
+            self._untouched_checked = (delta.manifest, base_table)  # (the pause after prepare: done)
         if first_pass:
             self._first_pass(delta, resuming, skip=skip)
         self._aliased_names = self._agreed_aliased(delta.manifest.tensors)
-        if not resuming:
+        # In the update after a prepare that kept every item, the prediction was made there and nothing
+        # new can be predicted (the same items, the same budget): only a first pass here may add to it.
+        if not resuming and first_pass:
             started = time.perf_counter()
             self._predicted |= self._predict(delta, {**(skip or {}), **self._prepared})
             self._predict_seconds += time.perf_counter() - started
@@ -805,6 +829,7 @@ class EngineReceiver:
         which re-traces a placement whose parameter storage changed): else the kept indices are stale."""
         return all(self._placements.get(name) is placement for name, placement in staged.placements.items())
 
+    @fewer_collections()  # (as prepare)
     @torch.no_grad()
     def apply(self, delta: Delta) -> ApplyReport:
         started = time.perf_counter()
@@ -829,13 +854,24 @@ class EngineReceiver:
             t = time.perf_counter()
             kept = staged.prepared if staged is not None else {}
             staged_batches = staged.batches if staged is not None else []
+            if staged_batches:  # (one rank, a fresh apply)
+                # A batch holds while its tensors are still proven and share no storage element (a
+                # tensor rebound onto one since prepare would): else its items, which the batch emptied,
+                # go through the first pass again below, before the first write, and the data blocks
+                # are checked whole, as for any item not kept.
+                proven = self._predicted - self._aliased(m.tensors)
+                if not all(b.tensors <= proven for b in staged_batches):
+                    dropped = set().union(*(b.keys for b in staged_batches))
+                    kept = {k: p for k, p in kept.items() if k not in dropped}
+                    staged_batches = []
+                    delta.verify_blocks()
+            self._batch_bytes = sum(b.index.nbytes + b.values.nbytes for b in staged_batches)
             # Items the staged pass could not keep are checked again here, in the same agreed phase as
             # the untouched tensors' check (a rank that refuses fails every rank; none is left waiting).
             again = len(kept) < len(m.items)
             # ... and kept within what the staged ones left of the budget: one PREPARED_BYTES in all.
             if again:
-                held = [p.nbytes for p in kept.values()] + [b.index.nbytes + b.values.nbytes for b in staged_batches]
-                self._prepared_bytes = sum(held)
+                self._prepared_bytes = sum(p.nbytes for p in kept.values()) + self._batch_bytes
             self.agree(lambda: self._untouched_and_first_pass(delta, base_table, resuming, kept, first_pass=again))
             prepared = {**kept, **self._prepared}
             staged_items = len(kept)
@@ -859,17 +895,17 @@ class EngineReceiver:
             # recorded. On one rank each tensor is digested right after its writes, on all cores;
             # a tensor whose target digest the first pass proved (_predict) has its written
             # elements read back instead.
-            names = [name for name, _ in self._grouped(delta)] if base_table is not None else list(m.tensors)
+            touched = [name for name, _ in self._grouped(delta)] if base_table is not None else list(m.tensors)
             # Tensors sharing storage (with another tensor, or two destinations of one) are digested
-            # whole after the writes, touched or not (_aliased). Sorted: every rank digests in one order.
-            names = sorted({*names, *self._aliased_names})
+            # whole after the writes, touched or not (_aliased). Sorted on several ranks: every rank
+            # digests in one order (one rank needs no order: not sorting 100k names in the pause).
+            names = {*touched, *self._aliased_names} if self.single else sorted({*touched, *self._aliased_names})
             t = time.perf_counter()
             if self.single:
                 # The staged batches hold where their tensors are still predicted and not aliased (a
                 # parameter rebound since prepare makes one aliased): else their items go one by one.
                 batches = staged_batches if not resuming else []
-                if batches and not all(b.tensors <= predicted for b in batches):
-                    batches = []
+                assert all(b.tensors <= predicted for b in batches)  # (checked before the first pass)
                 digests = self._write_and_prove(delta, resuming, prepared, names, predicted, report, phases, batches)
                 report.proof_seconds = phases["proof_cpu"]
             else:
@@ -881,7 +917,7 @@ class EngineReceiver:
                 report.proof_seconds = phases["proof"] = time.perf_counter() - t
         finally:
             self._prepared.clear()
-            self._prepared_bytes = 0
+            self._prepared_bytes = self._batch_bytes = 0
         unaccounted = set(names) - set(digests) - predicted
         if unaccounted:  # a bug, never a delta's fault: nothing may be recorded unproven
             raise DcrError(f"internal error: {len(unaccounted)} touched tensors were neither digested nor predicted")
@@ -911,7 +947,7 @@ class EngineReceiver:
         delta: Delta,
         resuming: bool,
         prepared: dict[int, Prepared],
-        names: list[str],
+        names: Collection[str],
         predicted: set[str],
         report: ApplyReport,
         phases: dict[str, float],
@@ -929,17 +965,11 @@ class EngineReceiver:
         """
         m = delta.manifest
         by_tensor = dict(self._grouped(delta))
-        if self._all_valid is m.tensors:  # every placement checked in this operation (trace_all): as they are
-            placements = {n: self._placements[n] for n in {*names, *by_tensor}}
-        else:
-            # (traced here, not in threads)
-            placements = {n: self.placement(n, m.tensors[n]) for n in {*names, *by_tensor}}
+        # Every placement checked in this operation (trace_all): taken as they are, not copied per tensor;
+        # else traced here, not in threads.
+        checked = self._all_valid is m.tensors
+        placements = self._placements if checked else {n: self.placement(n, m.tensors[n]) for n in {*names, *by_tensor}}
         self.resident()
-        groups = self._write_groups(m.tensors) if self._all_valid is m.tensors else None
-        if groups is None:  # (placements not all checked in this operation: of the tensors in play only)
-            nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
-            groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
-            groups.sort(key=lambda g: -sum(nbytes[n] for n in g))
         digested = set(names) - predicted
         phases["writes_cpu"] = phases["proof_cpu"] = 0.0
         started = time.perf_counter()
@@ -948,17 +978,27 @@ class EngineReceiver:
         # their own: those tensors share no storage element with another and are not digested after
         # the writes, so no digest depends on when these writes run.
         if batches:
-            batched = {name for b in batches for name in b.tensors}
+            whole = set().union(*(b.whole for b in batches))  # tensors whose items are all in one batch
+            partial = set().union(*(b.tensors for b in batches)) - whole
+            keys = set().union(*(b.keys for b in batches if b.tensors & partial))
             for b in batches:
                 self._count(report, "applied", int(b.index.size), len(b.keys))
-            keys = set().union(*(b.keys for b in batches))
-            by_tensor = {
-                n: ([(k, it) for k, it in items if k not in keys] if n in batched else items)
-                for n, items in by_tensor.items()
-            }
-            by_tensor = {n: items for n, items in by_tensor.items() if items}
-        # Groups with nothing left to write or digest take no task (a steady MoE refit: most of them).
-        groups = [g for g in groups if any(n in by_tensor or n in digested for n in g)]
+            by_tensor = {n: items for n, items in by_tensor.items() if n not in whole}
+            for n in partial:
+                rest = [(k, it) for k, it in by_tensor[n] if k not in keys]
+                if rest:
+                    by_tensor[n] = rest
+                else:
+                    del by_tensor[n]
+        # Only the groups with something left to write or digest take a task (a steady MoE refit: few).
+        if checked:
+            groups = self._write_groups(m.tensors)
+            at = self._write_group_of(m.tensors)
+            groups = [groups[i] for i in sorted({at[n] for n in (*by_tensor, *digested)})]
+        else:  # (of the tensors in play only)
+            nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
+            groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
+            groups.sort(key=lambda g: -sum(nbytes[n] for n in g))
 
         def write_batch(batch: WriteBatch) -> Callable[[], _WriteResult]:
             def run() -> _WriteResult:
@@ -1113,7 +1153,7 @@ class EngineReceiver:
         # Overlaid in storage within the first pass's budget, less what the kept items hold (in
         # batches whose copies fit it together); a larger tensor is predicted as before where its items
         # kept their canonical positions (read back whole), else digested after the writes.
-        room = PREPARED_BYTES - sum(p.nbytes for p in prepared.values()) if overlaid else 0
+        room = PREPARED_BYTES - sum(p.nbytes for p in prepared.values()) - self._batch_bytes if overlaid else 0
         batches: list[list[tuple[str, Placement, list[Prepared]]]] = []
         held = 0
         for name, placement, kept in sorted(overlaid, key=lambda t: -_overlay_bytes(t[1])):
@@ -1175,6 +1215,9 @@ class EngineReceiver:
         sharing an element (the two transposed halves of stacked experts, a weight fused along dim 1)
         are not aliased. Conservative where that test runs out of its budget.
         """
+        fast = self._aliased_fast
+        if fast is not None and fast[0] is table and fast[1] == self._placement_epoch:
+            return set(fast[2])  # the same table, no placement traced since (the pause after prepare)
         of = [(name, self._placements.get(name)) for name in table]
         memo = self._aliased_memo
         if (
@@ -1182,7 +1225,8 @@ class EngineReceiver:
             and len(memo[0]) == len(of)
             and all(a == b and p is q for (a, p), (b, q) in zip(memo[0], of, strict=True))
         ):
-            return set(memo[1])  # the same placements (a steady refit's pause): the same answer
+            self._aliased_fast = (table, self._placement_epoch, set(memo[1]))
+            return set(memo[1])  # the same placements (a steady refit's next delta): the same answer
         # One storage can be reached under several parameter names (a parameter rebound onto another's
         # storage after one of them was traced names it differently in the two placements): destinations
         # are grouped by the storage each trace recorded (which _cached has just checked), not by name.
@@ -1214,6 +1258,7 @@ class EngineReceiver:
                         aliased.update((name, other))
                 active.append((lo, hi, name, box, size))
         self._aliased_memo = (of, set(aliased))
+        self._aliased_fast = (table, self._placement_epoch, set(aliased))
         return aliased
 
     def _agreed_aliased(self, table: dict[str, TensorEntry]) -> set[str]:
