@@ -53,9 +53,10 @@ SHAPES = {
     "medium": (1024, 3072, 16, 16, 8, 32000),
     "large": (2048, 6144, 10, 32, 8, 32000),
 }
-# Qwen3-MoE-shaped, narrow (hidden 128, expert width 64), with Qwen3-30B-A3B's 128 experts per layer, in
-# the per-expert spelling of Hugging Face checkpoints: layers, experts. What costs there is the number
-# of tensors and items (moe: 3,147 tensors, 51 MiB; moe-48: 48 layers as the 30B model, 18,867 tensors).
+# Qwen3-MoE-shaped, narrow (the tests' tiny model: hidden 128, expert width 64), with Qwen3-30B-A3B's
+# 128 experts per layer, in the per-expert spelling of Hugging Face checkpoints: layers, experts. What
+# costs there is the number of tensors and items (moe: 3,147 tensors, 51 MiB; moe-48: 48 layers as the
+# 30B model, 18,867 tensors).
 MOE_SHAPES = {"moe": (8, 128), "moe-48": (48, 128)}
 
 
@@ -119,23 +120,15 @@ def _moe_shapes(size: str) -> tuple[Any, dict[str, tuple[int, ...]]]:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    if str(REPO / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests"))
+    from moe_support import MOE_SIZES  # the tests' tiny Qwen3-MoE, with more layers and experts
+
     layers, experts = MOE_SHAPES[size]
-    hidden, width = 128, 64
+    dims = {**MOE_SIZES["qwen3_moe"], "num_hidden_layers": layers, "num_experts": experts}
+    hidden, width = dims["hidden_size"], dims["moe_intermediate_size"]
     config = Qwen3MoeConfig(
-        hidden_size=hidden,
-        intermediate_size=256,
-        moe_intermediate_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        vocab_size=1024,
-        num_experts=experts,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        architectures=["Qwen3MoeForCausalLM"],
+        **dims, max_position_embeddings=512, tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"]
     )
     with torch.device("meta"):  # transformers fuses the experts in memory; checkpoints spell them one by one
         shapes = {

