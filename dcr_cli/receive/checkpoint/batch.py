@@ -5,10 +5,8 @@ hashes, one Python call at a time: tens of microseconds per item. Here, for a ba
 items that are all sparse (xor or overwrite) over flat ranges:
 
 * the batch's data sections are read together, each checked against its section digest;
-* every frame's header and block headers are checked by one compiled walk (``kernels.zstd_frames``:
-  one standard frame with a content size and a checksum that fills its section exactly), its
-  declared size against the manifest's bounds, and all frames decoded by one zstd call (which
-  checks each frame's content checksum and size);
+* every frame is checked and all are decoded at once (``codec.decode_joined``, which the vLLM
+  receiver's batched first pass shares);
 * the items' regions are read with one ``pread`` per stretch of the file they cover (``segments``);
 * one compiled call (``kernels._apply_batch``) decodes the positions, checks them against their
   regions, gathers the current bytes, computes the new ones in place and records the spans to write;
@@ -31,12 +29,11 @@ from typing import TYPE_CHECKING
 
 import blake3
 import numpy as np
-import zstandard
 
 from ...delta.reader import Delta
-from ...format.codec import _decompressor
+from ...format.codec import decode_joined
 from ...format.dtypes import dtype as lookup_dtype
-from ...format.kernels import _apply_batch, scatter, zstd_frames
+from ...format.kernels import _apply_batch, scatter
 from ...format.manifest import Item
 from .inplace import GAP_BYTES, InPlaceFiles, scratch
 
@@ -144,30 +141,8 @@ def prepare_batch(
     table = np.array(rows, dtype=np.int64)
     file_of, starts, sizes, widths, counts, xor, lengths, positions_lengths = np.ascontiguousarray(table.T)
     # -- sections: read and digest-checked together, then every frame checked and decoded at once
-    blob = delta.read_joined(sections, what)
-    bounds = np.empty(2 * n + 1, dtype=np.int64)  # frame f is blob[bounds[f]:bounds[f + 1]]
-    bounds[0] = 0
-    np.cumsum(lengths, out=bounds[2::2])
-    bounds[1:-1:2] = bounds[0:-1:2] + positions_lengths
-    declared, refused = zstd_frames(np.frombuffer(blob, dtype=np.uint8), bounds[:-1], bounds[1:])
-    if refused >= 0:
-        return None
-    gaps_len, values_len = declared[0::2], declared[1::2]
-    if (gaps_len < counts).any() or (gaps_len > 5 * counts).any() or (values_len != widths * counts).any():
-        return None
-    frame_spans = np.stack([bounds[:-1], bounds[1:] - bounds[:-1]], axis=1).astype(np.uint64)
-    try:
-        frames = _decompressor().multi_decompress_to_buffer(
-            zstandard.BufferWithSegments(blob, frame_spans.tobytes()),
-            decompressed_sizes=declared.astype(np.uint64).tobytes(),
-            threads=1,
-        )
-        raw = np.frombuffer(b"".join(frames[f] for f in range(2 * n)), dtype=np.uint8)  # type: ignore[misc]
-    except zstandard.ZstdError:
-        return None
-    out = np.zeros(2 * n + 1, dtype=np.int64)
-    np.cumsum(declared, out=out[1:])
-    if raw.shape[0] != out[-1]:
+    frames = decode_joined(delta.read_joined(sections, what), lengths, positions_lengths, counts, widths)
+    if frames is None:
         return None
     # -- the regions, read with one pread per stretch of a file they cover
     order = np.lexsort((starts, file_of))
@@ -210,8 +185,8 @@ def prepare_batch(
     patch_at = np.empty(out_at[-1], dtype=np.int64)
     spans = np.empty((int(counts.sum()), 3), dtype=np.int64)
     bad, n_spans = _apply_batch(
-        raw, out[0:-1:2], gaps_len, out[1:-1:2], counts, widths, sizes, region_at, region_seg, xor != 0,
-        order.astype(np.int64), buf, cur, new, patch_at, out_at, GAP_BYTES, n >= JOIN_FROM, spans,
+        frames.raw, frames.gaps_at, frames.gaps_len, frames.values_at, counts, widths, sizes, region_at, region_seg,
+        xor != 0, order.astype(np.int64), buf, cur, new, patch_at, out_at, GAP_BYTES, n >= JOIN_FROM, spans,
     )  # fmt: skip
     if bad >= 0:
         return None

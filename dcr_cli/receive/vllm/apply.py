@@ -25,15 +25,17 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+import blake3
 import numpy as np
 import torch
 
 from ... import errors
 from ...delta.reader import Delta
 from ...errors import DcrError, FormatError, IncompatibleError, IntegrityError
+from ...format.codec import decode_joined
 from ...format.digest import StreamingDigest, digest_bytes
 from ...format.dtypes import from_torch, numpy_int
-from ...format.kernels import compile_scatter, gather, scatter, scatter_checked
+from ...format.kernels import _apply_batch, compile_scatter, gather, scatter, scatter_checked
 from ...format.manifest import Item, Manifest, TensorEntry, fingerprint
 from ...io.gc_pause import fewer_collections
 from ...io.pool import default_workers, ordered_parallel
@@ -309,6 +311,7 @@ class EngineReceiver:
         # Each parameter's whole storage as integers (flat_storage), once per operation: a view costs
         # tens of microseconds to make, and an MoE apply asks for one per item and per tensor.
         self._flats: dict[str, torch.Tensor] = {}
+        self._flat_uints: dict[str, np.ndarray | None] = {}
         self._traced: tuple[dict[str, TensorEntry], dict[str, int | None]] | None = None
         # _aliased's last answer and the placements it was computed from (a function of them alone).
         self._aliased_memo: tuple[list[tuple[str, Placement | None]], set[str]] | None = None
@@ -376,12 +379,21 @@ class EngineReceiver:
             flat = self._flats[param] = flat_storage(self.resident()[param])
         return flat
 
+    def _flat_uint(self, param: str) -> np.ndarray | None:
+        """``_flat`` as unsigned integers in CPU memory, once per operation (None: on a device)."""
+        got = self._flat_uints.get(param, False)
+        if got is False:
+            flat = self._flat(param)
+            got = self._flat_uints[param] = _as_uint(flat) if flat.device.type == "cpu" else None
+        return got  # type: ignore[return-value]
+
     def _begin(self) -> None:
         self._resident = None  # parameters may have been replaced since the last operation
         self._storage_ptrs = {}
         self._valid = {}
         self._all_valid = None
         self._flats = {}
+        self._flat_uints = {}
 
     # ------------------------------------------------------------------ placement
 
@@ -520,10 +532,10 @@ class EngineReceiver:
         for dest in sorted(placement.destinations, key=lambda d: d.src_offset):
             if dest.cast(placement.dtype) or not dest.contiguous or dest.src_offset != at:
                 return None
-            flat = self._flat(dest.param)
-            if flat.device.type != "cpu":
+            flat = self._flat_uint(dest.param)
+            if flat is None:
                 return None
-            out.append((dest, _as_uint(flat[dest.dst_offset : dest.dst_offset + dest.numel])))
+            out.append((dest, flat[dest.dst_offset : dest.dst_offset + dest.numel]))
             at += dest.numel
         return out if at == placement.numel else None
 
@@ -803,7 +815,8 @@ class EngineReceiver:
         first_pass: bool = True,
         blocks: bool = False,
     ) -> None:
-        if base_table is not None and self._untouched_checked != (delta.manifest, base_table):
+        memo = self._untouched_checked  # by identity (comparing two manifests field by field costs more than the check)
+        if base_table is not None and (memo is None or memo[0] is not delta.manifest or memo[1] is not base_table):
             receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
             self._untouched_checked = (delta.manifest, base_table)  # (the pause after prepare: done)
         if first_pass:
@@ -1065,11 +1078,17 @@ class EngineReceiver:
                 self._compute_new(delta, item, placement, prepared)
             return k, prepared
 
+        # One rank, a fresh apply: a chunk's small items into one parameter are checked and computed
+        # together where they can be (``_joined_pass``); the rest, and anything it refuses, one by one.
+        joining = self.single and not resuming
+
         def task(chunk: list[tuple[int, Item, Placement]]) -> Callable[[], list[tuple[int, Prepared]]]:
             def run() -> list[tuple[int, Prepared]]:
                 if len(chunk) > 1:  # their data sections, next to each other in a block: one read for all
                     delta.preread([item.data for _, item, _ in chunk], lambda i: f"{chunk[i][1].tensor} data")
-                return [one(*t) for t in chunk]
+                joined = self._joined_pass(delta, chunk) if joining and len(chunk) > 1 else {}
+                rest = [t for t in chunk if t[0] not in joined] if joined else chunk
+                return [*joined.items(), *(one(*t) for t in rest)]
 
             return run
 
@@ -1100,6 +1119,42 @@ class EngineReceiver:
             common = set.intersection(*(set(keys) for keys in self.exchange(sorted(self._prepared))))
             for k in [k for k in self._prepared if k not in common]:
                 self._prepared_bytes -= self._prepared.pop(k).nbytes
+
+    def _joined_pass(self, delta: Delta, chunk: list[tuple[int, Item, Placement]]) -> dict[int, Prepared]:
+        """A fresh apply on one rank: the first pass of a chunk's items, joined per parameter where it
+        can be, as the on-disk receiver's batches (``checkpoint.batch``): the sparse items over flat
+        regions of tensors held whole, without a cast, as one contiguous run of a parameter in CPU
+        memory (an MoE layer's expert tensors in its fused expert weights). Per parameter: the data
+        sections read together, every frame checked and decoded at once (``codec.decode_joined``),
+        and one compiled call (``kernels._apply_batch``) decodes the positions, checks them against
+        their regions (refusing regions that overlap), gathers the bits held and computes the new
+        ones; each item's elements must digest to its ``pre`` and its new bits to its ``post``.
+
+        The items of a parameter where anything is refused are left out of the result, and go one by
+        one (``_first_pass``), which gives the error with its usual message. So this changes the cost
+        only: what it keeps, the per-item path keeps with the same bits (``ready``: the storage
+        indices of the elements that change and their new bits). Reads only.
+        """
+        by_param: dict[str, list[tuple[int, Item, Destination]]] = {}
+        for k, item, placement in chunk:
+            region, dests = item.region, placement.destinations
+            if region.start is None or item.op == "replace" or not item.count or len(dests) != 1:
+                continue
+            if item.op == "xor" and item.repair is None:  # (refused one by one, with its message)
+                continue
+            dest = dests[0]
+            if dest.cast(placement.dtype) or not dest.contiguous or dest.src_offset or dest.numel != placement.numel:
+                continue
+            by_param.setdefault(dest.param, []).append((k, item, dest))
+        out: dict[int, Prepared] = {}
+        for param, members in by_param.items():
+            flat = self._flat(param)
+            if len(members) < 2 or flat.device.type != "cpu":
+                continue
+            got = _joined_items(delta, members, flat)
+            if got is not None:
+                out.update(got)
+        return out
 
     def _predict(self, delta: Delta, prepared: dict[int, Prepared]) -> set[str]:
         """A fresh apply, before any write: prove each touched tensor's target digest from the bits
@@ -1482,6 +1537,74 @@ def _chunks(todo: list[T], size: Callable[[T], int]) -> list[list[T]]:
             chunks[-1].append(t)
             held += n
     return chunks
+
+
+def _joined_items(
+    delta: Delta, members: list[tuple[int, Item, Destination]], flat: torch.Tensor
+) -> dict[int, Prepared] | None:
+    """``EngineReceiver._joined_pass`` for the items ``members`` of one parameter (storage ``flat``):
+    each a flat region of a tensor held as one contiguous run there. None where anything is refused."""
+    width = flat.element_size()
+    size = flat.numel()
+    if any(d.dst_offset + d.numel > size for _, _, d in members):
+        return None
+    rows = [
+        (
+            (d.dst_offset + item.region.start) * width,  # type: ignore[operator]  # (flat regions only)
+            item.region.size,
+            item.count,
+            item.op == "xor",
+            item.data.length,
+            item.positions_length,
+        )
+        for _, item, d in members
+    ]
+    region_at, sizes, counts, xor, lengths, positions_lengths = np.ascontiguousarray(np.array(rows, dtype=np.int64).T)
+    n = len(members)
+    widths = np.full(n, width, dtype=np.int64)
+    # (the chunk's sections were read together: ``read_section`` takes each from there)
+    blob = b"".join(delta.read_section(item.data, f"{item.tensor} data") for _, item, _ in members)
+    frames = decode_joined(blob, lengths, positions_lengths, counts, widths)
+    if frames is None:
+        return None
+    out_at = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts * width, out=out_at[1:])
+    total = int(out_at[-1])
+    cur = np.empty(total, dtype=np.uint8)
+    new = np.empty(total, dtype=np.uint8)
+    patch_at = np.empty(total, dtype=np.int64)
+    spans = np.empty((n + 1, 3), dtype=np.int64)  # (unused here: with ``join`` and no gap limit, one per region)
+    bad, _ = _apply_batch(
+        frames.raw, frames.gaps_at, frames.gaps_len, frames.values_at, counts, widths, sizes, region_at,
+        np.zeros(n, dtype=np.int64), xor != 0, np.argsort(region_at, kind="stable"), flat.numpy().view(np.uint8),
+        cur, new, patch_at, out_at, size * width, True, spans,
+    )  # fmt: skip
+    if bad >= 0:
+        return None
+    cur_view, new_view = cur.data, new.data
+    edges = out_at.tolist()
+    for k, (_, item, _) in enumerate(members):
+        a, b = edges[k], edges[k + 1]
+        if blake3.blake3(cur_view[a:b]).hexdigest() != item.pre:
+            return None
+        if blake3.blake3(new_view[a:b]).hexdigest() != item.post:
+            return None
+    uint = np.dtype(f"<u{width}")
+    held, bits = cur.view(uint), new.view(uint)
+    index = patch_at[::width] // width
+    if size <= np.iinfo(np.int32).max:
+        index = index.astype(np.int32)  # (as _compute_new keeps it)
+    same = held == bits  # an overwrite may leave an element as it is: only those that change are kept
+    kept = ~same if bool(same.any()) else None
+    got: dict[int, Prepared] = {}
+    for k, (key, _, dest) in enumerate(members):
+        a, b = edges[k] // width, edges[k + 1] // width
+        at, values = index[a:b].copy(), bits[a:b].copy()  # copies: an item holds (and counts) its own bytes
+        if kept is not None:
+            at, values = at[kept[a:b]], values[kept[a:b]]
+        located = Located(dest, slice(0, b - a), at, flat)
+        got[key] = Prepared(None, [located], b - a, digest=members[k][1].pre, new=values, ready=True)
+    return got
 
 
 # Ready items of at most this many elements are written in batches (WriteBatch): the

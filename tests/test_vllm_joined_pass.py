@@ -1,0 +1,179 @@
+"""The engine receiver's joined first pass (``EngineReceiver._joined_pass``): a chunk's small items
+into one parameter are decoded, gathered and checked together, and keep exactly what the per-item
+path keeps; anything it refuses goes one by one, with the per-item path's outcome and message.
+
+A plain torch module stands in for an MoE layer (as in test_vllm_write_batches): per-expert
+checkpoint tensors ``e0..e5`` that its loader copies into one stacked parameter ``w``, and ``z``
+into a parameter ``u`` of its own.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import IncompatibleError
+from dcr_cli.produce import diff
+from dcr_cli.receive.vllm import apply as engine_apply
+from dcr_cli.receive.vllm.apply import EngineReceiver, Prepared
+
+E, R, C = 6, 32, 32
+TORCH = {np.uint16: torch.bfloat16, np.uint32: torch.float32}
+SIGNED = {np.uint16: np.int16, np.uint32: np.int32}
+
+
+class Experts(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(E, R, C, dtype=dtype), requires_grad=False)
+        self.u = torch.nn.Parameter(torch.zeros(R, C, dtype=dtype), requires_grad=False)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for name, t in weights:
+            (self.u.data if name == "z" else self.w.data[int(name[1:])]).copy_(t)
+
+
+def _tensors(table: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    uint = next(iter(table.values())).dtype.type
+    return {n: torch.from_numpy(x.view(SIGNED[uint])).view(TORCH[uint]) for n, x in table.items()}
+
+
+def _versions(tmp: Path, seed: int, rate: float, uint: type = np.uint16) -> tuple[dict, dict, Delta]:
+    rng = np.random.default_rng(seed)
+    top = np.iinfo(uint).max
+    names = [*(f"e{i}" for i in range(E)), "z"]
+    base = {name: rng.integers(0, top, (R, C), dtype=uint, endpoint=True) for name in names}
+    target = {n: x.copy() for n, x in base.items()}
+    for x in target.values():
+        hit = rng.random(x.shape) < rate
+        x[hit] ^= rng.integers(1, top, size=int(hit.sum()), dtype=uint, endpoint=True)
+    for label, table in (("c0", base), ("c1", target)):
+        (tmp / label).mkdir()
+        save_file(_tensors(table), str(tmp / label / "model.safetensors"))
+    diff(tmp / "c0", tmp / "c1", tmp / "d", base_version="v0", target_version="v1", workers=1)
+    return base, target, Delta.open(str(tmp / "d"))
+
+
+def _loaded(table: dict[str, np.ndarray]) -> Experts:
+    uint = next(iter(table.values())).dtype.type
+    module = Experts(TORCH[uint])
+    module.load_weights(list(_tensors(table).items()))
+    return module
+
+
+def _bits(module: Experts) -> dict[str, np.ndarray]:
+    return {n: p.detach().view(torch.uint8).numpy().copy() for n, p in module.named_parameters()}
+
+
+def _staged(receiver: EngineReceiver, delta: Delta) -> dict[int, Prepared]:
+    """Prepare ``delta`` and keep a copy of what its first pass kept, per item (before the write
+    batches empty the small items)."""
+    kept: dict[int, Prepared] = {}
+    real = EngineReceiver._write_batches
+
+    def keep(self, delta, prepared):  # type: ignore[no-untyped-def]
+        for k, p in prepared.items():
+            assert p.new is not None and len(p.located) == 1
+            at = p.located[0]
+            copy = engine_apply.Located(at.dest, at.hit, at.index.copy(), at.flat)
+            kept[k] = Prepared(None, [copy], p.count, new=p.new.copy(), ready=p.ready)
+        return real(self, delta, prepared)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EngineReceiver, "_write_batches", keep)
+        assert receiver.prepare(delta) == "apply"
+    return kept
+
+
+def _joined_calls(mp: pytest.MonkeyPatch) -> list[tuple[int, int | None]]:
+    """Record each ``_joined_items`` call: (items asked, items kept or None where refused)."""
+    calls: list[tuple[int, int | None]] = []
+    real = engine_apply._joined_items
+
+    def counting(delta, members, flat):  # type: ignore[no-untyped-def]
+        got = real(delta, members, flat)
+        calls.append((len(members), None if got is None else len(got)))
+        return got
+
+    mp.setattr(engine_apply, "_joined_items", counting)
+    return calls
+
+
+def _check_joined_like_one_by_one(tmp: Path, seed: int, rate: float, uint: type) -> None:
+    base, target, delta = _versions(tmp, seed, rate, uint)
+    # (a tensor changed almost everywhere is sent whole, a replace item: those go one by one)
+    experts = [k for k, item in enumerate(delta.manifest.items) if item.tensor != "z" and item.op != "replace"]
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _joined_calls(mp)
+        joined_module = _loaded(base)
+        joined_receiver = EngineReceiver(joined_module)
+        joined = _staged(joined_receiver, delta)
+    # w's sparse items, together; z alone in u is not joined
+    assert calls == ([(len(experts), len(experts))] if len(experts) >= 2 else [])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
+        one_module = _loaded(base)
+        one = _staged(EngineReceiver(one_module), delta)
+    assert joined.keys() == one.keys() == set(range(len(delta.manifest.items)))
+    for k in joined:
+        a, b = joined[k], one[k]
+        assert a.ready and b.ready and a.count == b.count
+        assert a.located[0].dest == b.located[0].dest
+        assert np.array_equal(a.located[0].index, b.located[0].index)
+        assert a.located[0].index.dtype == b.located[0].index.dtype
+        assert np.array_equal(a.new, b.new) and a.new.dtype == b.new.dtype
+    report = joined_receiver.apply(Delta.open(delta.url))
+    assert report.status == "applied"
+    assert report.written_elements == sum(item.changed_elements for item in delta.manifest.items)
+    want = _bits(_loaded(target))
+    got = _bits(joined_module)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    assert joined_receiver.verify(delta.manifest.tensors)["mismatched"] == []
+
+
+def test_the_joined_pass_keeps_what_the_items_one_by_one_keep_and_applies_exactly(tmp_path: Path) -> None:
+    _check_joined_like_one_by_one(tmp_path, seed=1, rate=0.05, uint=np.uint16)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rate=st.sampled_from([0.001, 0.01, 0.2, 0.7, 1.0]),
+    uint=st.sampled_from([np.uint16, np.uint32]),
+)
+def test_joined_equals_one_by_one_for_any_change(seed: int, rate: float, uint: type) -> None:
+    """Any rate (an expert left unchanged, every element changed, long gaps that escape), BF16 and F32
+    with any bits (NaN payloads, -0): the joined pass keeps the same storage indices and bits."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _check_joined_like_one_by_one(Path(tmp), seed, rate, uint)
+
+
+def test_an_item_not_at_its_pre_image_refuses_the_delta_as_one_by_one_and_writes_nothing(tmp_path: Path) -> None:
+    """A weight changed behind dcr's back at one of e3's positions: the joined pass refuses its
+    parameter, the per-item path names the item, nothing is written and no version recorded."""
+    base, _, delta = _versions(tmp_path, seed=3, rate=0.05)
+    (e3,) = [item for item in delta.manifest.items if item.tensor == "e3"]
+    first = int(delta.decode(e3).positions[0])  # type: ignore[index]
+    module = _loaded(base)
+    receiver = EngineReceiver(module)
+    diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
+    receiver.apply(Delta.open(str(tmp_path / "noop")))  # fingerprinted: the engine is at v0 (recorded)
+    assert receiver.state.version == "v0"
+    module.w.data[3].view(-1).view(torch.int16)[first] ^= 1
+    before = _bits(module)
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _joined_calls(mp)
+        with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
+            receiver.prepare(delta)
+    assert calls == [(E, None)]
+    after = _bits(module)
+    assert all(np.array_equal(after[n], before[n]) for n in before)
+    assert receiver.state.version == "v0" and receiver.state.applying is None
