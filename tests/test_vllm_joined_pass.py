@@ -3,8 +3,8 @@ into one parameter are decoded, gathered and checked together, and keep exactly 
 path keeps; anything it refuses goes one by one, with the per-item path's outcome and message.
 
 A plain torch module stands in for an MoE layer (as in test_vllm_write_batches): per-expert
-checkpoint tensors ``e0..e5`` that its loader copies into one stacked parameter ``w``, and ``z``
-into a parameter ``u`` of its own.
+checkpoint tensors ``e0..e5`` that its loader copies into one stacked parameter ``w``, and ``a``
+(first in the manifest) into a parameter ``u`` of its own.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Experts(torch.nn.Module):
 
     def load_weights(self, weights):  # type: ignore[no-untyped-def]
         for name, t in weights:
-            (self.u.data if name == "z" else self.w.data[int(name[1:])]).copy_(t)
+            (self.u.data if name == "a" else self.w.data[int(name[1:])]).copy_(t)
 
 
 def _tensors(table: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -49,7 +49,7 @@ def _tensors(table: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 def _versions(tmp: Path, seed: int, rate: float, uint: type = np.uint16) -> tuple[dict, dict, Delta]:
     rng = np.random.default_rng(seed)
     top = np.iinfo(uint).max
-    names = [*(f"e{i}" for i in range(E)), "z"]
+    names = ["a", *(f"e{i}" for i in range(E))]
     base = {name: rng.integers(0, top, (R, C), dtype=uint, endpoint=True) for name in names}
     target = {n: x.copy() for n, x in base.items()}
     for x in target.values():
@@ -110,13 +110,13 @@ def _joined_calls(mp: pytest.MonkeyPatch) -> list[tuple[int, int | None]]:
 def _check_joined_like_one_by_one(tmp: Path, seed: int, rate: float, uint: type) -> None:
     base, target, delta = _versions(tmp, seed, rate, uint)
     # (a tensor changed almost everywhere is sent whole, a replace item: those go one by one)
-    experts = [k for k, item in enumerate(delta.manifest.items) if item.tensor != "z" and item.op != "replace"]
+    experts = [k for k, item in enumerate(delta.manifest.items) if item.tensor != "a" and item.op != "replace"]
     with pytest.MonkeyPatch.context() as mp:
         calls = _joined_calls(mp)
         joined_module = _loaded(base)
         joined_receiver = EngineReceiver(joined_module)
         joined = _staged(joined_receiver, delta)
-    # w's sparse items, together; z alone in u is not joined
+    # w's sparse items, together; a alone in u is not joined
     assert calls == ([(len(experts), len(experts))] if len(experts) >= 2 else [])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
@@ -177,3 +177,36 @@ def test_an_item_not_at_its_pre_image_refuses_the_delta_as_one_by_one_and_writes
     after = _bits(module)
     assert all(np.array_equal(after[n], before[n]) for n in before)
     assert receiver.state.version == "v0" and receiver.state.applying is None
+
+
+def test_under_a_tight_budget_the_same_items_are_kept_as_one_by_one(tmp_path: Path) -> None:
+    """The budget keeps items in the chunk's order, joined or not: ``a`` (first, alone in ``u``) and
+    then as many experts as fit, the same ones either way."""
+    base, _, delta = _versions(tmp_path, seed=5, rate=0.05)
+    kept = {}
+    for joined in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(engine_apply, "PREPARED_BYTES", 700)
+            if not joined:
+                mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
+            kept[joined] = _staged(EngineReceiver(_loaded(base)), delta)
+    tensors = [delta.manifest.items[k].tensor for k in sorted(kept[True])]
+    assert tensors[0] == "a" and 1 < len(tensors) < E + 1  # the budget binds
+    assert kept[True].keys() == kept[False].keys()
+
+
+def test_a_refused_group_reads_its_sections_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sections a refused group took from the chunk's read are given back: its items decode one by
+    one from them, without reading the delta again."""
+    base, _, delta = _versions(tmp_path, seed=6, rate=0.05)
+    monkeypatch.setattr(engine_apply, "decode_joined", lambda *args: None)  # every group refused
+    reads: list[int] = []
+    real = Delta._read_range
+
+    def counting(self, block, start, end, what):  # type: ignore[no-untyped-def]
+        reads.append(end - start)
+        return real(self, block, start, end, what)
+
+    monkeypatch.setattr(Delta, "_read_range", counting)
+    assert EngineReceiver(_loaded(base)).prepare(delta) == "apply"
+    assert sum(reads) == sum(item.data.length for item in delta.manifest.items)  # each section once

@@ -191,6 +191,12 @@ class Delta:
         for section, data in zip(sections, self.read_sections(sections, what), strict=True):
             self._preread[id(section)] = data
 
+    def give_back(self, sections: Sequence[Section], datas: Sequence[bytes]) -> None:
+        """Return sections' checked bytes taken by ``read_section`` from a ``preread`` (a batch that
+        could not use them: its items read them one by one next, without reading them again)."""
+        for section, data in zip(sections, datas, strict=True):
+            self._preread[id(section)] = data
+
     def _read_range(self, block: BlockEntry, start: int, end: int, what: str) -> bytes:
         fetcher = self._fetcher_of(block.id)
         if fetcher is not None:  # waits until these bytes have arrived
