@@ -430,26 +430,28 @@ def _apply_batch(raw, gaps_at, gaps_len, values_at, counts, widths, sizes, regio
 
 
 @numba.njit(nogil=True, cache=_CACHE, boundscheck=False)
-def _scatter(out, index, values):  # pragma: no cover - compiled
+def _scatter(out, index, values, offset):  # pragma: no cover - compiled
     # One pass; an index outside ``out`` stops it there (returns how many were written).
     n = out.shape[0]
     for i in range(index.shape[0]):
-        at = index[i]
+        at = index[i] - offset
         if at < 0 or at >= n:
             return i
         out[at] = values[i]
     return index.shape[0]
 
 
-def scatter(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
-    """``out[index] = values`` for a 1-D ``out``, in one pass: about half numpy's time for sparse writes.
+def scatter(out: np.ndarray, index: np.ndarray, values: np.ndarray, offset: int = 0) -> None:
+    """``out[index - offset] = values`` for a 1-D ``out``, in one pass: about half numpy's time for
+    sparse writes. ``offset``: where ``out`` starts in the storage ``index`` counts in (a piece of a
+    tensor copied out of it), without a shifted copy of the index.
 
     An index outside ``out`` raises IndexError; the elements before it are written, as a crash in
     the middle of a write would leave them (a receiver's resume repairs such an item). ``values``
     must have ``out``'s dtype; indices may be 32- or 64-bit.
     """
     index, values = _scatter_inputs(out, index, values)
-    if index.size and _scatter(out, index, values) != index.size:
+    if index.size and _scatter(out, index, values, np.int64(offset)) != index.size:
         raise IndexError(f"scatter: an index is outside the storage of {out.size} elements")
 
 
@@ -533,7 +535,7 @@ def compile_scatter(dtype: np.dtype) -> None:
     """
     empty = np.zeros(0, dtype=dtype)
     for index in (np.int32, np.int64):
-        _scatter(empty, np.zeros(0, dtype=index), empty)
+        _scatter(empty, np.zeros(0, dtype=index), empty, np.int64(0))
         _scatter_checked(empty, np.zeros(0, dtype=index), empty)
         _gather(empty, np.zeros(0, dtype=index), empty)
 

@@ -1111,7 +1111,7 @@ class EngineReceiver:
             # MoE layer's expert items: one hand-off to a worker and one read per chunk, not per item);
             # one item per task on several ranks (they exchange per item).
             todo.sort(key=lambda t: -t[1].count if t[1].count >= CHUNK_ELEMENTS else 0)
-            chunks = _chunks(todo, lambda t: t[1].count)
+            chunks = _chunks(todo, lambda t: t[1].count, JOINED_CHUNK_MOST if joining else CHUNK_MOST)
         else:
             chunks = [[t] for t in todo]
         tasks = (task(chunk) for chunk in chunks)
@@ -1242,17 +1242,14 @@ class EngineReceiver:
         Todo = tuple[str, list[tuple[Destination, np.ndarray]], list[Prepared]]
 
         def task(chunk: list[Todo]) -> Callable[[], list[tuple[str, str]]]:
-            return lambda: [(name, _overlaid_digest(runs, kept)) for name, runs, kept in chunk]
+            return lambda: _overlaid_digests(chunk)
 
         def elements(t: Todo) -> int:
             return sum(run.size for _, run in t[1])
 
         todo.sort(key=lambda t: -elements(t))  # largest first (see _first_pass); small tensors in chunks
-        got = {
-            name: d
-            for done in ordered_parallel(map(task, _chunks(todo, elements)), default_workers())
-            for name, d in done
-        }
+        chunks = _chunks(todo, elements, most=OVERLAY_CHUNK_MOST, budget=OVERLAY_CHUNK_ELEMENTS)
+        got = {name: d for done in ordered_parallel(map(task, chunks), default_workers()) for name, d in done}
         flats = {d.param: self._flat(d.param) for _, p, _ in overlaid for d in p.destinations}
 
         def overlay(name: str, placement: Placement, kept: list[Prepared]) -> Callable[[], tuple[str, str]]:
@@ -1535,15 +1532,19 @@ def _overlaid_in_storage(placement: Placement, flats: dict[str, torch.Tensor], k
 # elements (_chunks): below it, a hand-off to a worker costs more than the item's own work.
 CHUNK_ELEMENTS = 1 << 16
 CHUNK_MOST = 64  # ... and of at most this many (the window of tasks in flight stays fine-grained)
+JOINED_CHUNK_MOST = 1024  # ... where a chunk's items are joined per parameter (a call per parameter, not per item)
 
 
-def _chunks(todo: list[T], size: Callable[[T], int]) -> list[list[T]]:
-    """``todo`` in order, cut into runs of small entries of about CHUNK_ELEMENTS in all; a large one alone."""
+def _chunks(
+    todo: list[T], size: Callable[[T], int], most: int = CHUNK_MOST, budget: int = CHUNK_ELEMENTS
+) -> list[list[T]]:
+    """``todo`` in order, cut into runs of small entries of about ``budget`` elements in all (and at
+    most ``most`` entries); a large one alone."""
     chunks: list[list[T]] = []
     held = 0
     for t in todo:
         n = size(t)
-        if n >= CHUNK_ELEMENTS or not chunks or held >= CHUNK_ELEMENTS or len(chunks[-1]) >= CHUNK_MOST:
+        if n >= budget or not chunks or held >= budget or len(chunks[-1]) >= most:
             chunks.append([t])
             held = n
         else:
@@ -1676,6 +1677,59 @@ def _storage_groups(params: dict[str, list[str]]) -> list[list[str]]:
 OVERLAY_PIECE_BYTES = 1 << 20
 
 
+# Tensors held as one run of at most this many elements are predicted together, in chunks of about
+# this many elements in all (``_overlaid_digests``): an MoE layer's expert tensors, a few thousand
+# elements each, cost one copy and one scatter per chunk, not per tensor (the copies stay in cache).
+OVERLAY_CHUNK_ELEMENTS = 1 << 18
+OVERLAY_CHUNK_MOST = 256
+
+
+def _overlaid_digests(
+    todo: list[tuple[str, list[tuple[Destination, np.ndarray]], list[Prepared]]],
+) -> list[tuple[str, str]]:
+    """``_overlaid_digest`` of each tensor of ``todo`` (name, runs, kept), in order. Those held as one
+    run of at most OVERLAY_CHUNK_ELEMENTS, together per element width: their runs copied next to
+    each other into one scratch buffer, their items' new bits put in place there by one scatter,
+    each tensor's bytes digested where they lie in it. The same bits as one by one (the same
+    copies, indices and values, in the same order); only Python's cost per tensor goes."""
+    digests: dict[str, str] = {}
+    joint: dict[int, list[tuple[str, Destination, np.ndarray, list[Prepared]]]] = {}
+    for name, runs, kept in todo:
+        if len(runs) == 1 and runs[0][1].size <= OVERLAY_CHUNK_ELEMENTS:
+            dest, run = runs[0]
+            joint.setdefault(run.itemsize, []).append((name, dest, run, kept))
+        else:
+            digests[name] = _overlaid_digest(runs, kept)
+    for width, group in joint.items():
+        bits = numpy_int(width)
+        held = np.concatenate([run.view(bits) for _, _, run, _ in group])
+        index: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        owner: list[int] = []  # the tensor (its place in ``group``) of each entry of ``index``
+        edges = [0]
+        for k, (_, dest, run, kept) in enumerate(group):
+            lo = edges[-1]
+            for p in kept:
+                at = p.located[0]
+                if p.new is not None and (at.dest is dest or at.dest == dest):  # (as _overlaid_digest)
+                    index.append(at.index.astype(np.int64) + (lo - dest.dst_offset))
+                    values.append(p.new.view(bits))
+                    owner.append(k)
+            edges.append(lo + run.size)
+        if index:
+            at_all = np.concatenate(index)
+            # Each index inside its own tensor's place, as one by one (where scatter checks its run's bounds).
+            of = np.repeat(np.array(owner), [a.size for a in index])
+            bounds = np.array(edges)
+            if at_all.size and not bool(((at_all >= bounds[of]) & (at_all < bounds[of + 1])).all()):
+                raise IndexError("scatter: an index is outside the storage of its tensor")
+            scatter(held, at_all, np.concatenate(values))
+        view = held.view(np.uint8).data
+        for (name, _, _, _), lo, hi in zip(group, edges, edges[1:], strict=False):
+            digests[name] = blake3.blake3(view[lo * width : hi * width]).hexdigest()
+    return [(name, digests[name]) for name, _, _ in todo]
+
+
 def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prepared]) -> str:
     """Digest of the canonical tensor held in ``runs`` (``spans``, in canonical order) as it will be
     once the ready items ``kept`` are written: each run read in pieces into a scratch buffer, the
@@ -1684,12 +1738,14 @@ def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prep
     for dest, run in runs:
         mine = [p for p in kept if p.located[0].dest is dest or p.located[0].dest == dest]
         bits = numpy_int(run.itemsize)
-        index = np.concatenate([p.located[0].index for p in mine]) - dest.dst_offset if mine else np.zeros(0, np.int64)
-        values = np.concatenate([p.new.view(bits) for p in mine if p.new is not None]) if mine else np.zeros(0, bits)
+        # Storage indices (the run starts at ``base`` there): scatter shifts them, no shifted copy is made.
+        base = dest.dst_offset
+        index = _joined([p.located[0].index for p in mine], np.int64)
+        values = _joined([p.new.view(bits) for p in mine if p.new is not None], bits)
         step = max(1, OVERLAY_PIECE_BYTES // run.itemsize)
         if index.size and run.size <= step:  # one piece (an expert's tensor): in any order, no edges to find
             held = np.array(run.view(bits))
-            scatter(held, index, values)
+            scatter(held, index, values, base)
             digest.update(held)
             continue
         if index.size > 1 and not bool((index[1:] > index[:-1]).all()):  # items in another order than the tensor's
@@ -1699,8 +1755,9 @@ def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prep
             digest.update(run)
             continue
         # The piece edges in the index's own dtype where they fit it (searching casts the index otherwise).
-        fits = run.size + step <= np.iinfo(index.dtype).max
-        edges = np.searchsorted(index, np.arange(0, run.size + step, step, dtype=index.dtype if fits else np.int64))
+        fits = base + run.size + step <= np.iinfo(index.dtype).max
+        pieces = np.arange(base, base + run.size + step, step, dtype=index.dtype if fits else np.int64)
+        edges = np.searchsorted(index, pieces)
         scratch = np.empty(min(step, run.size), dtype=bits)
         for piece, lo in enumerate(range(0, run.size, step)):
             hi, a, b = min(lo + step, run.size), int(edges[piece]), int(edges[piece + 1])
@@ -1709,9 +1766,16 @@ def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prep
                 continue
             held = scratch[: hi - lo]
             np.copyto(held, run[lo:hi].view(bits))
-            scatter(held, index[a:b] - lo, values[a:b])
+            scatter(held, index[a:b], values[a:b], base + lo)
             digest.update(held)
     return digest.hexdigest()
+
+
+def _joined(arrays: list[np.ndarray], dtype: type | np.dtype) -> np.ndarray:
+    """``arrays`` end to end; the one array itself where there is one (no copy), empty where none."""
+    if len(arrays) == 1:
+        return arrays[0]
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
 def _grouped(delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:

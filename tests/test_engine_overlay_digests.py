@@ -1,0 +1,166 @@
+"""The engine receiver's prediction (``EngineReceiver._predict``, receiver-vllm §3) of tensors held as
+contiguous runs of resident storage: each tensor's target digest computed from the bits the engine
+holds with the kept items' new bits in their place, before any write.
+
+Small tensors (an MoE layer's per-expert tensors in one stacked parameter) are predicted together
+per chunk (``_overlaid_digests``: one copy and one scatter for many tensors); a tensor larger than a
+piece goes in pieces (``_overlaid_digest``, the scatter shifting storage indices to the piece). Both
+must prove exactly the tensors the target table holds, so a prepare that predicts them all and an
+apply that lands the target bits are what is checked, with the pieces and chunks made small enough
+that every path runs (a wrong index offset, edge or owner gives another digest, and the prepare
+refuses).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from dcr_cli.delta.reader import Delta
+from dcr_cli.errors import IntegrityError
+from dcr_cli.produce import diff
+from dcr_cli.receive.vllm import apply as engine_apply
+from dcr_cli.receive.vllm.apply import EngineReceiver
+
+E, R, C = 5, 16, 24  # experts e0..e4 stacked in ``w``; ``big`` (R*E x C) alone in ``v``, ``a`` alone in ``u``
+TORCH = {np.uint16: torch.bfloat16, np.uint32: torch.float32}
+SIGNED = {np.uint16: np.int16, np.uint32: np.int32}
+NAMES = ["a", "big", *(f"e{i}" for i in range(E))]
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(E, R, C, dtype=dtype), requires_grad=False)
+        self.u = torch.nn.Parameter(torch.zeros(R, C, dtype=dtype), requires_grad=False)
+        self.v = torch.nn.Parameter(torch.zeros(R * E, C, dtype=dtype), requires_grad=False)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for name, t in weights:
+            if name == "a":
+                self.u.data.copy_(t)
+            elif name == "big":
+                self.v.data.copy_(t)
+            else:
+                self.w.data[int(name[1:])].copy_(t)
+
+
+def _tensors(table: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    uint = next(iter(table.values())).dtype.type
+    return {n: torch.from_numpy(x.view(SIGNED[uint])).view(TORCH[uint]) for n, x in table.items()}
+
+
+def _versions(tmp: Path, seed: int, rate: float, uint: type) -> tuple[dict, dict, Delta]:
+    """Random bits (NaN payloads and -0 among them); the target changes each element with ``rate``."""
+    rng = np.random.default_rng(seed)
+    top = np.iinfo(uint).max
+    shapes = {"a": (R, C), "big": (R * E, C), **{f"e{i}": (R, C) for i in range(E)}}
+    base = {n: rng.integers(0, top, shapes[n], dtype=uint, endpoint=True) for n in NAMES}
+    target = {n: x.copy() for n, x in base.items()}
+    for x in target.values():
+        hit = rng.random(x.shape) < rate
+        x[hit] ^= rng.integers(1, top, size=int(hit.sum()), dtype=uint, endpoint=True)
+    for label, table in (("c0", base), ("c1", target)):
+        (tmp / label).mkdir()
+        save_file(_tensors(table), str(tmp / label / "model.safetensors"))
+    diff(tmp / "c0", tmp / "c1", tmp / "d", base_version="v0", target_version="v1", workers=1)
+    return base, target, Delta.open(str(tmp / "d"))
+
+
+def _loaded(table: dict[str, np.ndarray]) -> Layer:
+    uint = next(iter(table.values())).dtype.type
+    module = Layer(TORCH[uint])
+    module.load_weights(list(_tensors(table).items()))
+    return module
+
+
+def _held(module: Layer) -> dict[str, np.ndarray]:
+    """Each checkpoint tensor's bits as the module holds them."""
+    bits = {n: p.detach().view(torch.uint8).numpy() for n, p in module.named_parameters()}
+    width = module.w.element_size()
+    uint = np.uint16 if width == 2 else np.uint32
+    w = bits["w"].view(uint).reshape(E, R, C)
+    return {"a": bits["u"].view(uint).reshape(R, C), "big": bits["v"].view(uint).reshape(R * E, C)} | {
+        f"e{i}": w[i] for i in range(E)
+    }
+
+
+def _check(tmp: Path, seed: int, rate: float, uint: type, piece_bytes: int, chunk_elements: int) -> None:
+    base, target, delta = _versions(tmp, seed, rate, uint)
+    touched = {item.tensor for item in delta.manifest.items}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_apply, "OVERLAY_PIECE_BYTES", piece_bytes)
+        mp.setattr(engine_apply, "OVERLAY_CHUNK_ELEMENTS", chunk_elements)
+        module = _loaded(base)
+        receiver = EngineReceiver(module)
+        assert receiver.prepare(delta) == "apply"
+        # every touched tensor proven before any write, and nothing written by the prepare
+        assert receiver._predicted == touched
+        assert all(np.array_equal(_held(module)[n], base[n]) for n in NAMES)
+        receiver.apply(delta)
+    assert receiver.state.version == "v1"
+    held = _held(module)
+    assert all(np.array_equal(held[n], target[n]) for n in NAMES)
+
+
+@pytest.mark.parametrize("uint", [np.uint16, np.uint32])
+@pytest.mark.parametrize(
+    ("piece_bytes", "chunk_elements"),
+    [
+        (1 << 20, 1 << 18),  # as shipped: every tensor here is one piece, all small ones in one chunk
+        (64, 1 << 18),  # ``big`` (and the experts) go in pieces of 32 or 16 elements
+        (1 << 20, R * C),  # small tensors one per chunk
+        (96, 2 * R * C),  # pieces that do not divide a tensor, chunks of two experts
+    ],
+)
+def test_the_prediction_proves_every_touched_tensor_and_the_apply_is_exact(
+    tmp_path: Path, uint: type, piece_bytes: int, chunk_elements: int
+) -> None:
+    _check(tmp_path, 0, 0.05, uint, piece_bytes, chunk_elements)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rate=st.sampled_from([0.002, 0.01, 0.1, 0.6]),
+    uint=st.sampled_from([np.uint16, np.uint32]),
+    piece_bytes=st.sampled_from([2, 40, 128, 1 << 20]),
+    chunk_elements=st.sampled_from([1, R * C, 3 * R * C, 1 << 18]),
+)
+def test_the_prediction_in_pieces_and_chunks_proves_what_one_by_one_would(
+    seed: int, rate: float, uint: type, piece_bytes: int, chunk_elements: int
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        _check(Path(tmp), seed, rate, uint, piece_bytes, chunk_elements)
+
+
+@pytest.mark.parametrize("tensor", ["e3", "big"])
+def test_a_weight_changed_behind_dcrs_back_where_no_item_looks_is_refused_by_the_prediction(
+    tmp_path: Path, tensor: str
+) -> None:
+    """An element that no item changes, flipped in the engine after it recorded the base: every
+    item's pre-image still holds, so only the tensor's predicted digest can tell. The prepare
+    refuses, nothing is written and no version is recorded."""
+    base, target, delta = _versions(tmp_path, 1, 0.05, np.uint16)
+    module = _loaded(base)
+    receiver = EngineReceiver(module)
+    diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
+    receiver.apply(Delta.open(str(tmp_path / "noop")))  # fingerprinted: the engine is at v0 (recorded)
+    assert receiver.state.version == "v0"
+    flat = _held(module)[tensor].reshape(-1)
+    untouched = int(np.flatnonzero(base[tensor].reshape(-1) == target[tensor].reshape(-1))[-1])
+    flat[untouched] ^= 1
+    before = {n: x.copy() for n, x in _held(module).items()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_apply, "OVERLAY_PIECE_BYTES", 64)
+        with pytest.raises(IntegrityError, match=tensor):
+            receiver.prepare(delta)
+    assert all(np.array_equal(_held(module)[n], before[n]) for n in NAMES)
+    assert receiver.state.version == "v0" and receiver.state.applying is None
