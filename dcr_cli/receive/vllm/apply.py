@@ -234,7 +234,7 @@ class Located:
 
     dest: Destination
     hit: np.ndarray | slice  # the item positions it holds: a bool per position, or a slice of them
-    index: np.ndarray  # storage element indices (int64) of the hit positions
+    index: np.ndarray  # storage element indices of the hit positions (int64; int32 once ready, where they fit)
     flat: torch.Tensor  # the parameter's whole storage as integers
 
     def positions(self, count: int) -> np.ndarray | None:
@@ -1111,7 +1111,7 @@ class EngineReceiver:
             # MoE layer's expert items: one hand-off to a worker and one read per chunk, not per item);
             # one item per task on several ranks (they exchange per item).
             todo.sort(key=lambda t: -t[1].count if t[1].count >= CHUNK_ELEMENTS else 0)
-            chunks = _chunks(todo, lambda t: t[1].count, JOINED_CHUNK_MOST if joining else CHUNK_MOST)
+            chunks = _chunks(todo, lambda t: t[1].count, most=JOINED_CHUNK_MOST if joining else CHUNK_MOST)
         else:
             chunks = [[t] for t in todo]
         tasks = (task(chunk) for chunk in chunks)
@@ -1244,8 +1244,10 @@ class EngineReceiver:
         def task(chunk: list[Todo]) -> Callable[[], list[tuple[str, str]]]:
             return lambda: _overlaid_digests(chunk)
 
+        sizes = {name: sum(run.size for _, run in runs) for name, runs, _ in todo}  # (the sort and the chunks ask)
+
         def elements(t: Todo) -> int:
-            return sum(run.size for _, run in t[1])
+            return sizes[t[0]]
 
         todo.sort(key=lambda t: -elements(t))  # largest first (see _first_pass); small tensors in chunks
         chunks = _chunks(todo, elements, most=OVERLAY_CHUNK_MOST, budget=OVERLAY_CHUNK_ELEMENTS)
@@ -1523,7 +1525,7 @@ def _overlaid_in_storage(placement: Placement, flats: dict[str, torch.Tensor], k
             lo = regions[at.dest.param][0]
             copy = copies[at.dest.param].numpy()
             new = p.new if p.ready else np.ascontiguousarray(p.new[at.hit])
-            scatter(copy, at.index - lo, new.view(copy.dtype))
+            scatter(copy, at.index, new.view(copy.dtype), lo)
     pieces = _held_pieces(placement, {param: (copies[param], lo) for param, (lo, _) in regions.items()})
     return digest_bytes(_canonical_of(placement, [pieces]))
 
@@ -1536,10 +1538,12 @@ JOINED_CHUNK_MOST = 1024  # ... where a chunk's items are joined per parameter (
 
 
 def _chunks(
-    todo: list[T], size: Callable[[T], int], most: int = CHUNK_MOST, budget: int = CHUNK_ELEMENTS
+    todo: list[T], size: Callable[[T], int], most: int | None = None, budget: int | None = None
 ) -> list[list[T]]:
-    """``todo`` in order, cut into runs of small entries of about ``budget`` elements in all (and at
-    most ``most`` entries); a large one alone."""
+    """``todo`` in order, cut into runs of small entries of about ``budget`` (CHUNK_ELEMENTS) elements
+    in all and at most ``most`` (CHUNK_MOST) entries; a large one alone."""
+    most = CHUNK_MOST if most is None else most
+    budget = CHUNK_ELEMENTS if budget is None else budget
     chunks: list[list[T]] = []
     held = 0
     for t in todo:
@@ -1677,9 +1681,10 @@ def _storage_groups(params: dict[str, list[str]]) -> list[list[str]]:
 OVERLAY_PIECE_BYTES = 1 << 20
 
 
-# Tensors held as one run of at most this many elements are predicted together, in chunks of about
-# this many elements in all (``_overlaid_digests``): an MoE layer's expert tensors, a few thousand
-# elements each, cost one copy and one scatter per chunk, not per tensor (the copies stay in cache).
+# Tensors held as one run of at most one piece (OVERLAY_PIECE_BYTES) are predicted together, in
+# chunks of about this many elements in all (``_overlaid_digests``): an MoE layer's expert tensors,
+# a few thousand elements each, cost one copy and one scatter per chunk, not per tensor (the copies
+# stay in cache).
 OVERLAY_CHUNK_ELEMENTS = 1 << 18
 OVERLAY_CHUNK_MOST = 256
 
@@ -1688,14 +1693,14 @@ def _overlaid_digests(
     todo: list[tuple[str, list[tuple[Destination, np.ndarray]], list[Prepared]]],
 ) -> list[tuple[str, str]]:
     """``_overlaid_digest`` of each tensor of ``todo`` (name, runs, kept), in order. Those held as one
-    run of at most OVERLAY_CHUNK_ELEMENTS, together per element width: their runs copied next to
+    run of at most one piece (OVERLAY_PIECE_BYTES), together per element width: their runs copied next to
     each other into one scratch buffer, their items' new bits put in place there by one scatter,
     each tensor's bytes digested where they lie in it. The same bits as one by one (the same
     copies, indices and values, in the same order); only Python's cost per tensor goes."""
     digests: dict[str, str] = {}
     joint: dict[int, list[tuple[str, Destination, np.ndarray, list[Prepared]]]] = {}
     for name, runs, kept in todo:
-        if len(runs) == 1 and runs[0][1].size <= OVERLAY_CHUNK_ELEMENTS:
+        if len(runs) == 1 and runs[0][1].nbytes <= OVERLAY_PIECE_BYTES:  # (one piece, as _overlaid_digest's)
             dest, run = runs[0]
             joint.setdefault(run.itemsize, []).append((name, dest, run, kept))
         else:
@@ -1718,14 +1723,15 @@ def _overlaid_digests(
             edges.append(lo + run.size)
         if index:
             at_all = np.concatenate(index)
-            # Each index inside its own tensor's place, as one by one (where scatter checks its run's bounds).
+            # Each index inside its own tensor's place in the buffer (``locate`` makes them so; a
+            # neighbour's bits must never be what proves a tensor).
             of = np.repeat(np.array(owner), [a.size for a in index])
             bounds = np.array(edges)
             if at_all.size and not bool(((at_all >= bounds[of]) & (at_all < bounds[of + 1])).all()):
-                raise IndexError("scatter: an index is outside the storage of its tensor")
+                raise IndexError("prediction: an item's storage index lies outside its tensor's run")
             scatter(held, at_all, np.concatenate(values))
         view = held.view(np.uint8).data
-        for (name, _, _, _), lo, hi in zip(group, edges, edges[1:], strict=False):
+        for (name, _, _, _), lo, hi in zip(group, edges[:-1], edges[1:], strict=True):
             digests[name] = blake3.blake3(view[lo * width : hi * width]).hexdigest()
     return [(name, digests[name]) for name, _, _ in todo]
 
