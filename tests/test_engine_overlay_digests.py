@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_versions import TORCH, as_tensors, random_versions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IntegrityError
@@ -30,8 +30,6 @@ from dcr_cli.receive.vllm import apply as engine_apply
 from dcr_cli.receive.vllm.apply import EngineReceiver
 
 E, R, C = 5, 16, 24  # experts e0..e4 stacked in ``w``; ``big`` (R*E x C) alone in ``v``, ``a`` alone in ``u``
-TORCH = {np.uint16: torch.bfloat16, np.uint32: torch.float32}
-SIGNED = {np.uint16: np.int16, np.uint32: np.int32}
 NAMES = ["a", "big", *(f"e{i}" for i in range(E))]
 
 
@@ -52,32 +50,15 @@ class Layer(torch.nn.Module):
                 self.w.data[int(name[1:])].copy_(t)
 
 
-def _tensors(table: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    uint = next(iter(table.values())).dtype.type
-    return {n: torch.from_numpy(x.view(SIGNED[uint])).view(TORCH[uint]) for n, x in table.items()}
-
-
 def _versions(tmp: Path, seed: int, rate: float, uint: type) -> tuple[dict, dict, Delta]:
-    """Random bits (NaN payloads and -0 among them); the target changes each element with ``rate``."""
-    rng = np.random.default_rng(seed)
-    top = np.iinfo(uint).max
     shapes = {"a": (R, C), "big": (R * E, C), **{f"e{i}": (R, C) for i in range(E)}}
-    base = {n: rng.integers(0, top, shapes[n], dtype=uint, endpoint=True) for n in NAMES}
-    target = {n: x.copy() for n, x in base.items()}
-    for x in target.values():
-        hit = rng.random(x.shape) < rate
-        x[hit] ^= rng.integers(1, top, size=int(hit.sum()), dtype=uint, endpoint=True)
-    for label, table in (("c0", base), ("c1", target)):
-        (tmp / label).mkdir()
-        save_file(_tensors(table), str(tmp / label / "model.safetensors"))
-    diff(tmp / "c0", tmp / "c1", tmp / "d", base_version="v0", target_version="v1", workers=1)
-    return base, target, Delta.open(str(tmp / "d"))
+    return random_versions(tmp, shapes, seed, rate, uint)
 
 
 def _loaded(table: dict[str, np.ndarray]) -> Layer:
     uint = next(iter(table.values())).dtype.type
     module = Layer(TORCH[uint])
-    module.load_weights(list(_tensors(table).items()))
+    module.load_weights(list(as_tensors(table).items()))
     return module
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_versions import TORCH, as_tensors, random_versions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IncompatibleError
@@ -26,8 +26,6 @@ from dcr_cli.receive.vllm import apply as engine_apply
 from dcr_cli.receive.vllm.apply import EngineReceiver, Prepared
 
 E, R, C = 6, 32, 32
-TORCH = {np.uint16: torch.bfloat16, np.uint32: torch.float32}
-SIGNED = {np.uint16: np.int16, np.uint32: np.int32}
 
 
 class Experts(torch.nn.Module):
@@ -41,31 +39,14 @@ class Experts(torch.nn.Module):
             (self.u.data if name == "a" else self.w.data[int(name[1:])]).copy_(t)
 
 
-def _tensors(table: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    uint = next(iter(table.values())).dtype.type
-    return {n: torch.from_numpy(x.view(SIGNED[uint])).view(TORCH[uint]) for n, x in table.items()}
-
-
 def _versions(tmp: Path, seed: int, rate: float, uint: type = np.uint16) -> tuple[dict, dict, Delta]:
-    rng = np.random.default_rng(seed)
-    top = np.iinfo(uint).max
-    names = ["a", *(f"e{i}" for i in range(E))]
-    base = {name: rng.integers(0, top, (R, C), dtype=uint, endpoint=True) for name in names}
-    target = {n: x.copy() for n, x in base.items()}
-    for x in target.values():
-        hit = rng.random(x.shape) < rate
-        x[hit] ^= rng.integers(1, top, size=int(hit.sum()), dtype=uint, endpoint=True)
-    for label, table in (("c0", base), ("c1", target)):
-        (tmp / label).mkdir()
-        save_file(_tensors(table), str(tmp / label / "model.safetensors"))
-    diff(tmp / "c0", tmp / "c1", tmp / "d", base_version="v0", target_version="v1", workers=1)
-    return base, target, Delta.open(str(tmp / "d"))
+    return random_versions(tmp, {name: (R, C) for name in ["a", *(f"e{i}" for i in range(E))]}, seed, rate, uint)
 
 
 def _loaded(table: dict[str, np.ndarray]) -> Experts:
     uint = next(iter(table.values())).dtype.type
     module = Experts(TORCH[uint])
-    module.load_weights(list(_tensors(table).items()))
+    module.load_weights(list(as_tensors(table).items()))
     return module
 
 
@@ -129,6 +110,7 @@ def _check_joined_like_one_by_one(tmp: Path, seed: int, rate: float, uint: type)
         assert a.located[0].dest == b.located[0].dest
         assert np.array_equal(a.located[0].index, b.located[0].index)
         assert a.located[0].index.dtype == b.located[0].index.dtype
+        assert a.new is not None and b.new is not None
         assert np.array_equal(a.new, b.new) and a.new.dtype == b.new.dtype
     report = joined_receiver.apply(Delta.open(delta.url))
     assert report.status == "applied"
