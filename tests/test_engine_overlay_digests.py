@@ -8,11 +8,13 @@ piece goes in pieces (``_overlaid_digest``, the scatter shifting storage indices
 must prove exactly the tensors the target table holds, so a prepare that predicts them all and an
 apply that lands the target bits are what is checked, with the pieces and chunks made small enough
 that every path runs (a wrong index offset, edge or owner gives another digest, and the prepare
-refuses).
+refuses). Also: what a steady prepare reuses from the last delta's (the write groups) holds only
+while the placements are the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -145,3 +147,27 @@ def test_a_weight_changed_behind_dcrs_back_where_no_item_looks_is_refused_by_the
             receiver.prepare(delta)
     assert all(np.array_equal(_held(module)[n], before[n]) for n in NAMES)
     assert receiver.state.version == "v0" and receiver.state.applying is None
+
+
+def test_a_steady_deltas_write_groups_are_reused_only_while_the_placements_are_the_same(tmp_path: Path) -> None:
+    """The write groups (tensors grouped by the parameters they write) are computed once per table and
+    placements: a new manifest of the same tensors (a steady refit's next delta) reuses them, a
+    placement traced again (here: replaced by an equal copy, as a re-trace makes) computes them anew."""
+    base, target, delta = _versions(tmp_path, 2, 0.05, np.uint16)
+    module = _loaded(base)
+    receiver = EngineReceiver(module)
+    assert receiver.prepare(delta) == "apply"
+    first = receiver._write_groups(delta.manifest.tensors)
+    again = Delta.open(str(tmp_path / "d"))  # another manifest object: another table
+    assert again.manifest.tensors is not delta.manifest.tensors
+    assert receiver.prepare(again) == "apply"
+    assert receiver._write_groups(again.manifest.tensors) is first
+    name = "e2"
+    receiver._placements[name] = dataclasses.replace(receiver._placements[name])
+    third = Delta.open(str(tmp_path / "d"))
+    receiver._begin()
+    regrouped = receiver._write_groups(third.manifest.tensors)
+    assert regrouped is not first and regrouped == first
+    receiver.apply(third)
+    assert receiver.state.version == "v1"
+    assert all(np.array_equal(_held(module)[n], target[n]) for n in NAMES)
