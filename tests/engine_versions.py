@@ -3,8 +3,9 @@ receiver's tests on plain torch modules (test_vllm_joined_pass, test_engine_over
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ from dcr_cli.delta.reader import Delta
 from dcr_cli.produce import diff
 
 TORCH = {np.uint16: torch.bfloat16, np.uint32: torch.float32}
+M = TypeVar("M", bound=torch.nn.Module)
 SIGNED = {np.uint16: np.int16, np.uint32: np.int32}
 
 
@@ -21,6 +23,14 @@ def as_tensors(table: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """Unsigned bits as BF16 (16-bit) or F32 (32-bit) tensors, bit for bit."""
     uint = next(iter(table.values())).dtype.type
     return {n: torch.from_numpy(x.view(SIGNED[uint])).view(TORCH[uint]) for n, x in table.items()}
+
+
+def loaded(make: Callable[[torch.dtype], M], table: dict[str, np.ndarray]) -> M:
+    """A module made for ``table``'s dtype (``make(dtype)``), loaded through its own ``load_weights``."""
+    uint = next(iter(table.values())).dtype.type
+    module = make(TORCH[uint])
+    module.load_weights(list(as_tensors(table).items()))  # type: ignore[operator]
+    return module
 
 
 def random_versions(

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_versions import TORCH, as_tensors, random_versions
+from engine_versions import loaded, random_versions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,13 +57,6 @@ def _versions(tmp: Path, seed: int, rate: float, uint: type) -> tuple[dict, dict
     return random_versions(tmp, shapes, seed, rate, uint)
 
 
-def _loaded(table: dict[str, np.ndarray]) -> Layer:
-    uint = next(iter(table.values())).dtype.type
-    module = Layer(TORCH[uint])
-    module.load_weights(list(as_tensors(table).items()))
-    return module
-
-
 def _held(module: Layer) -> dict[str, np.ndarray]:
     """Each checkpoint tensor's bits as the module holds them."""
     bits = {n: p.detach().view(torch.uint8).numpy() for n, p in module.named_parameters()}
@@ -81,7 +74,7 @@ def _check(tmp: Path, seed: int, rate: float, uint: type, piece_bytes: int, chun
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_apply, "OVERLAY_PIECE_BYTES", piece_bytes)
         mp.setattr(engine_apply, "OVERLAY_CHUNK_ELEMENTS", chunk_elements)
-        module = _loaded(base)
+        module = loaded(Layer, base)
         receiver = EngineReceiver(module)
         assert receiver.prepare(delta) == "apply"
         # every touched tensor proven before any write, and nothing written by the prepare
@@ -132,7 +125,7 @@ def test_a_weight_changed_behind_dcrs_back_where_no_item_looks_is_refused_by_the
     item's pre-image still holds, so only the tensor's predicted digest can tell. The prepare
     refuses, nothing is written and no version is recorded."""
     base, target, delta = _versions(tmp_path, 1, 0.05, np.uint16)
-    module = _loaded(base)
+    module = loaded(Layer, base)
     receiver = EngineReceiver(module)
     diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
     receiver.apply(Delta.open(str(tmp_path / "noop")))  # fingerprinted: the engine is at v0 (recorded)
@@ -154,7 +147,7 @@ def test_a_steady_deltas_write_groups_are_reused_only_while_the_placements_are_t
     placements: a new manifest of the same tensors (a steady refit's next delta) reuses them, a
     placement traced again (here: replaced by an equal copy, as a re-trace makes) computes them anew."""
     base, target, delta = _versions(tmp_path, 2, 0.05, np.uint16)
-    module = _loaded(base)
+    module = loaded(Layer, base)
     receiver = EngineReceiver(module)
     assert receiver.prepare(delta) == "apply"
     first = receiver._write_groups(delta.manifest.tensors)

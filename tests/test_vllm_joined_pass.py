@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_versions import TORCH, as_tensors, random_versions
+from engine_versions import loaded, random_versions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,13 +41,6 @@ class Experts(torch.nn.Module):
 
 def _versions(tmp: Path, seed: int, rate: float, uint: type = np.uint16) -> tuple[dict, dict, Delta]:
     return random_versions(tmp, {name: (R, C) for name in ["a", *(f"e{i}" for i in range(E))]}, seed, rate, uint)
-
-
-def _loaded(table: dict[str, np.ndarray]) -> Experts:
-    uint = next(iter(table.values())).dtype.type
-    module = Experts(TORCH[uint])
-    module.load_weights(list(as_tensors(table).items()))
-    return module
 
 
 def _bits(module: Experts) -> dict[str, np.ndarray]:
@@ -94,14 +87,14 @@ def _check_joined_like_one_by_one(tmp: Path, seed: int, rate: float, uint: type)
     experts = [k for k, item in enumerate(delta.manifest.items) if item.tensor != "a" and item.op != "replace"]
     with pytest.MonkeyPatch.context() as mp:
         calls = _joined_calls(mp)
-        joined_module = _loaded(base)
+        joined_module = loaded(Experts, base)
         joined_receiver = EngineReceiver(joined_module)
         joined = _staged(joined_receiver, delta)
     # w's sparse items, together; a alone in u is not joined
     assert calls == ([(len(experts), len(experts))] if len(experts) >= 2 else [])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
-        one_module = _loaded(base)
+        one_module = loaded(Experts, base)
         one = _staged(EngineReceiver(one_module), delta)
     assert joined.keys() == one.keys() == set(range(len(delta.manifest.items)))
     for k in joined:
@@ -115,7 +108,7 @@ def _check_joined_like_one_by_one(tmp: Path, seed: int, rate: float, uint: type)
     report = joined_receiver.apply(Delta.open(delta.url))
     assert report.status == "applied"
     assert report.written_elements == sum(item.changed_elements for item in delta.manifest.items)
-    want = _bits(_loaded(target))
+    want = _bits(loaded(Experts, target))
     got = _bits(joined_module)
     assert all(np.array_equal(got[n], want[n]) for n in want)
     assert joined_receiver.verify(delta.manifest.tensors)["mismatched"] == []
@@ -144,7 +137,7 @@ def test_an_item_not_at_its_pre_image_refuses_the_delta_as_one_by_one_and_writes
     base, _, delta = _versions(tmp_path, seed=3, rate=0.05)
     (e3,) = [item for item in delta.manifest.items if item.tensor == "e3"]
     first = int(delta.decode(e3).positions[0])  # type: ignore[index]
-    module = _loaded(base)
+    module = loaded(Experts, base)
     receiver = EngineReceiver(module)
     diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
     receiver.apply(Delta.open(str(tmp_path / "noop")))  # fingerprinted: the engine is at v0 (recorded)
@@ -171,7 +164,7 @@ def test_under_a_tight_budget_the_same_items_are_kept_as_one_by_one(tmp_path: Pa
             mp.setattr(engine_apply, "PREPARED_BYTES", 700)
             if not joined:
                 mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
-            kept[joined] = _staged(EngineReceiver(_loaded(base)), delta)
+            kept[joined] = _staged(EngineReceiver(loaded(Experts, base)), delta)
     tensors = [delta.manifest.items[k].tensor for k in sorted(kept[True])]
     assert tensors[0] == "a" and 1 < len(tensors) < E + 1  # the budget binds
     assert kept[True].keys() == kept[False].keys()
@@ -190,5 +183,5 @@ def test_a_refused_group_reads_its_sections_once(tmp_path: Path, monkeypatch: py
         return real(self, block, start, end, what)
 
     monkeypatch.setattr(Delta, "_read_range", counting)
-    assert EngineReceiver(_loaded(base)).prepare(delta) == "apply"
+    assert EngineReceiver(loaded(Experts, base)).prepare(delta) == "apply"
     assert sum(reads) == sum(item.data.length for item in delta.manifest.items)  # each section once
