@@ -53,8 +53,10 @@ overlapping the receivers, and their upload (the producer's tail) is printed on 
 critical path is the publication plus the receivers plus the commit.
 
 Printed per refit: the stages of the critical path, transport's share of it (measured push + pull,
-and the link floor: bytes moved / rate), the ratio reference/dcr next to the compression ratio
-(full bytes / bytes a receiver downloads) and the targets of issue 12 §4; at the end a summary table
+and the link floor: bytes moved / rate), the CPU that moto and the proxies took meanwhile (they share
+this machine's cores with the producer and the receivers, which a real store and links do not), the
+ratio reference/dcr next to the compression ratio (full bytes / bytes a receiver downloads) and the
+targets of issue 12 §4; at the end a summary table
 and the peak anonymous memory (sampled RssAnon) and VmHWM of every command. With an s3 store, the
 endpoint's own ceiling (moto, unthrottled, same client) is measured first: above it, the link rate is
 not what limits either side.
@@ -276,6 +278,22 @@ class Proxy:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=20)
         return json.loads(self.stats.read_text()) if self.stats.exists() else {"up": 0, "down": 0}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def infrastructure_cpu(link: Link) -> float:
+    """CPU seconds used so far by what stands in for the network and the store here (moto, the proxies):
+    on this machine they share its cores with dcr, which a real object store and real links do not."""
+    pids = ([link.moto.proc.pid] if link.moto else []) + [n.proxy.proc.pid for n in link.nodes if n.proxy]
+    return sum(cpu_seconds(pid) for pid in pids)
 
 
 @dataclass
@@ -617,6 +635,7 @@ def run_refit(
             if w.exited.is_set():
                 w.wait().check()
     t0 = time.perf_counter()
+    infra_at_start = infrastructure_cpu(link)
     # The receivers start the moment the version is published; the producer's repair upload goes on
     # meanwhile (its tail is printed apart: it is off the critical path).
     if producer_mode == "overlap":
@@ -754,6 +773,7 @@ def run_refit(
         stages["commit"] = c.seconds
         committed = time.perf_counter()
     critical = committed - t0
+    infra_cpu = infrastructure_cpu(link) - infra_at_start  # (sampled just after the commit: a few ms late)
     done = record(producing.wait())  # the repair blocks' upload, begun at the publication
     tail = (producing.ended - published) if producing.ended > published else 0.0
     after_commit = max(0.0, producing.ended - committed)
@@ -805,6 +825,7 @@ def run_refit(
             "repair_tail_after_commit_s": round(after_commit, 2),  # what of it outlasts the refit
             "repair_uploaded_after_publication": repair_after,
             "producer_exit_s": round(producing.ended - t0, 2),
+            "infra_cpu_s": round(infra_cpu, 2),
         },
     )
 
@@ -938,6 +959,13 @@ def report(r: Refit) -> None:
             f"    repair upload after publication: {mib(r.extra['repair_uploaded_after_publication'])} in "
             f"{r.extra['repair_tail_s']:.2f} s, overlapping the receivers (off the critical path); the producer "
             f"exits at {r.extra['producer_exit_s']:.2f} s, {ends}"
+        )
+    if r.extra.get("infra_cpu_s"):
+        cores = len(os.sched_getaffinity(0))
+        print(
+            f"    the store's stand-ins (moto, one proxy per node) used {r.extra['infra_cpu_s']:.2f} CPU-s during the "
+            f"critical path: {r.extra['infra_cpu_s'] / (r.critical * cores):.0%} of this machine's {cores} cores "
+            "(a real store and links take none of the nodes' CPU)"
         )
     print(
         f"    transport: push + pull {r.transport_measured:.2f} s = "

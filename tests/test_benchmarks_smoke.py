@@ -54,6 +54,7 @@ def test_bench_refit_tiny_s3_receiver_modes(tmp_path: Path) -> None:
     )
     assert "[receiver mode oneshot] critical path" in out and "[receiver mode waiting] critical path" in out, out
     assert "apply --wait --verify --ack from the publication to its exit" in out
+    assert "the store's stand-ins (moto, one proxy per node) used" in out, out  # their share of the machine
     assert "every node's link 1 Gbit/s each way with a 20 ms round trip to the store" in out, out
     rows = [line.split() for line in out.splitlines() if line.startswith("s3 1 Gbit/s x1 rtt 20ms")]
     assert [r[-1] for r in rows] == ["oneshot", "waiting"], out
