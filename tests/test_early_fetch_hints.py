@@ -153,7 +153,9 @@ def test_an_abandoned_stalled_download_writes_nothing_when_it_returns(s3_endpoin
         assert spool is not None and os.path.isdir(spool)
         started = time.monotonic()
         early.close()
-        assert time.monotonic() - started < 2
+        # (the held read is released only below: a close() that waited for it would never return; the bound
+        # is loose so that a loaded CI machine does not fail it)
+        assert time.monotonic() - started < 10
         assert not os.path.exists(spool)
         proxy.released.set()
         time.sleep(2)  # the read returns, its worker finds no file to write

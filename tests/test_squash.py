@@ -29,6 +29,11 @@ from dcr_cli.format.manifest import Op, Region, TensorEntry, VersionRef, fingerp
 
 REPO = Path(__file__).resolve().parents[1]
 FRAME_COST = 2 * 24  # two zstd frames' headers, block header, checksum and a few bytes of content
+# zstd stores a block's literals raw where fewer than about 64 bytes of them are left (no Huffman table pays
+# for itself there), so a frame of a few dozen bytes may come out up to that much larger than a nearly equal
+# one: compressed sizes are neither monotone nor additive at this scale (hypothesis seed 5 found a squashed
+# positions frame of 72 bytes stored raw, 85 B, where the chain's 74 bytes took 45 B).
+SMALL_LITERALS = 64
 
 # Bit patterns that float arithmetic would lose: NaN payloads, -0.0, +0.0, infinities (per width).
 SPECIAL = {
@@ -220,10 +225,12 @@ def test_squash_equals_chain(
     check_digests(sq, versions[0], versions[-1])
     # Never more than the chain, but for zstd's fixed cost (~2 x 13 bytes of frame headers and checksums) of
     # items beyond the chain's count: an overwrite whose base values only its own pre digest states keeps its
-    # own item, which can cut a run of other changes in two (tiny tensors only; see test_train_tiny_stream).
+    # own item, which can cut a run of other changes in two (tiny tensors only; see test_train_tiny_stream);
+    # and for zstd's raw literals in small frames (SMALL_LITERALS, each of an item's two frames).
     chain_items = sum(len(Delta.open(d).manifest.items) for d in deltas)
     extra = max(0, len(m.items) - chain_items)
-    assert summary.payload_bytes <= sum(Delta.open(d).manifest.payload_bytes() for d in deltas) + FRAME_COST * extra
+    slack = FRAME_COST * extra + 2 * SMALL_LITERALS * len(m.items)
+    assert summary.payload_bytes <= sum(Delta.open(d).manifest.payload_bytes() for d in deltas) + slack
 
     by_squash = copy_checkpoint(tmp / "v0", tmp / "by-squash")
     by_chain = copy_checkpoint(tmp / "v0", tmp / "by-chain")
