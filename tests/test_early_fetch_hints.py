@@ -229,7 +229,11 @@ def test_a_killed_receivers_spool_is_swept_by_the_next_early_fetch(
         killed.communicate(timeout=60)
     (left,) = _early_spools(tmp)  # SIGKILL: nothing cleans up
     with _waiting(*args, env=env) as again:
-        _wait_until(lambda: not left.exists(), "the next early fetch did not sweep the dead receiver's spool")
+        # (the sweep comes just before the new spool is made: wait for both, not only the first)
+        _wait_until(
+            lambda: not left.exists() and len(_early_spools(tmp)) == 1,
+            "the next early fetch did not sweep the dead receiver's spool",
+        )
         (mine,) = _early_spools(tmp)
         assert mine != left
         _out, err = _publish_to(again, delta, s3_url, s3_endpoint)
