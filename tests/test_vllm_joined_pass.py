@@ -72,9 +72,9 @@ def _joined_calls(mp: pytest.MonkeyPatch) -> list[tuple[int, int | None]]:
     calls: list[tuple[int, int | None]] = []
     real = engine_apply._joined_items
 
-    def counting(delta, members, flat):  # type: ignore[no-untyped-def]
-        got = real(delta, members, flat)
-        calls.append((len(members), None if got is None else len(got)))
+    def counting(delta, members, flat, defer=False):  # type: ignore[no-untyped-def]
+        got = real(delta, members, flat, defer)
+        calls.append((len(members), None if got is None else len(got[0])))
         return got
 
     mp.setattr(engine_apply, "_joined_items", counting)
@@ -93,7 +93,7 @@ def _check_joined_like_one_by_one(tmp: Path, seed: int, rate: float, uint: type)
     # w's sparse items, together; a alone in u is not joined
     assert calls == ([(len(experts), len(experts))] if len(experts) >= 2 else [])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
+        mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat, defer=False: None)
         one_module = loaded(Experts, base)
         one = _staged(EngineReceiver(one_module), delta)
     assert joined.keys() == one.keys() == set(range(len(delta.manifest.items)))
@@ -131,9 +131,17 @@ def test_joined_equals_one_by_one_for_any_change(seed: int, rate: float, uint: t
         _check_joined_like_one_by_one(Path(tmp), seed, rate, uint)
 
 
-def test_an_item_not_at_its_pre_image_refuses_the_delta_as_one_by_one_and_writes_nothing(tmp_path: Path) -> None:
-    """A weight changed behind dcr's back at one of e3's positions: the joined pass refuses its
-    parameter, the per-item path names the item, nothing is written and no version recorded."""
+@pytest.mark.parametrize("checks", ["predicted", "deferred", "at once"])
+def test_an_item_not_at_its_pre_image_refuses_the_delta_as_one_by_one_and_writes_nothing(
+    tmp_path: Path, checks: str
+) -> None:
+    """A weight changed behind dcr's back at one of e3's positions: nothing is written, no version
+    recorded, and the per-item path names the item, whichever check finds it first:
+
+    - ``predicted``: e3's prediction fails, and its items' deferred checks name the item;
+    - ``deferred``: nothing is predicted (as for an aliased tensor), the deferred checks find it;
+    - ``at once``: no room for deferred checks: the joined pass refuses the parameter's group and
+      its items go one by one."""
     base, _, delta = _versions(tmp_path, seed=3, rate=0.05)
     (e3,) = [item for item in delta.manifest.items if item.tensor == "e3"]
     first = int(delta.decode(e3).positions[0])  # type: ignore[index]
@@ -146,9 +154,13 @@ def test_an_item_not_at_its_pre_image_refuses_the_delta_as_one_by_one_and_writes
     before = _bits(module)
     with pytest.MonkeyPatch.context() as mp:
         calls = _joined_calls(mp)
+        if checks == "deferred":
+            mp.setattr(EngineReceiver, "_predict", lambda self, delta, prepared: set())
+        if checks == "at once":
+            mp.setattr(engine_apply, "DEFERRED_CHECK_BYTES", 0)
         with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
             receiver.prepare(delta)
-    assert calls == [(E, None)]
+    assert calls == [(E, None if checks == "at once" else E)]
     after = _bits(module)
     assert all(np.array_equal(after[n], before[n]) for n in before)
     assert receiver.state.version == "v0" and receiver.state.applying is None
@@ -163,7 +175,7 @@ def test_under_a_tight_budget_the_same_items_are_kept_as_one_by_one(tmp_path: Pa
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(engine_apply, "PREPARED_BYTES", 700)
             if not joined:
-                mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
+                mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat, defer=False: None)
             kept[joined] = _staged(EngineReceiver(loaded(Experts, base)), delta)
     tensors = [delta.manifest.items[k].tensor for k in sorted(kept[True])]
     assert tensors[0] == "a" and 1 < len(tensors) < E + 1  # the budget binds
@@ -185,3 +197,25 @@ def test_a_refused_group_reads_its_sections_once(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(Delta, "_read_range", counting)
     assert EngineReceiver(loaded(Experts, base)).prepare(delta) == "apply"
     assert sum(reads) == sum(item.data.length for item in delta.manifest.items)  # each section once
+
+
+def test_the_joined_pass_sets_every_field_it_makes_without_init() -> None:
+    """``_joined_checked`` builds Located and Prepared without their ``__init__`` (a call per item costs
+    the GIL tens of milliseconds at 20k expert items): it must set every field they have."""
+    from dataclasses import fields
+
+    assert {f.name for f in fields(engine_apply.Located)} == {"dest", "hit", "index", "flat"}
+    assert {f.name for f in fields(Prepared)} == {
+        "values", "located", "count", "current", "digest", "new", "canonical", "ready", "shares",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_deferred_or_not_the_joined_pass_keeps_the_same_and_applies_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deferred: bool
+) -> None:
+    """With the digest checks left for after the prediction or made at once (no room to defer), the same
+    items are kept with the same bits, and the apply is exact."""
+    if not deferred:
+        monkeypatch.setattr(engine_apply, "DEFERRED_CHECK_BYTES", 0)
+    _check_joined_like_one_by_one(tmp_path, seed=11, rate=0.01, uint=np.uint16)

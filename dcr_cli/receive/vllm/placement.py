@@ -157,6 +157,12 @@ class Placement:
     destinations: list[Destination]
     storages: dict[str, int] = field(default_factory=dict)  # param -> storage pointer when traced
 
+    @functools.cached_property
+    def casts(self) -> bool:
+        """Whether a destination widens (a BF16 checkpoint in an FP32 engine): no XOR mask carries over
+        there. (Cached: asked per tensor and per item; the destinations never change once traced.)"""
+        return any(d.cast(self.dtype) for d in self.destinations)
+
     @property
     def numel(self) -> int:
         n = 1
