@@ -219,3 +219,41 @@ def test_deferred_or_not_the_joined_pass_keeps_the_same_and_applies_exactly(
     if not deferred:
         monkeypatch.setattr(engine_apply, "DEFERRED_CHECK_BYTES", 0)
     _check_joined_like_one_by_one(tmp_path, seed=11, rate=0.01, uint=np.uint16)
+
+
+def test_an_overwrite_item_not_at_its_pre_image_is_refused_though_its_tensor_would_hold_the_target(
+    tmp_path: Path,
+) -> None:
+    """An overwrite replaces the bits it finds, so e3's target digest holds whatever was at its
+    positions: its proven prediction cannot stand for its items' ``pre`` checks (a weight changed
+    behind dcr's back), which are still made and refuse the delta, with nothing written."""
+    base, _, _ = _versions(tmp_path, seed=3, rate=0.05)
+    out = tmp_path / "overwrite"
+    diff(tmp_path / "c0", tmp_path / "c1", out, base_version="v0", target_version="v1", workers=1, overwrite=["e*"])
+    delta = Delta.open(str(out))
+    (e3,) = [item for item in delta.manifest.items if item.tensor == "e3"]
+    assert e3.op == "overwrite"
+    first = int(delta.decode(e3).positions[0])  # type: ignore[index]
+    module = loaded(Experts, base)
+    receiver = EngineReceiver(module)
+    diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
+    receiver.apply(Delta.open(str(tmp_path / "noop")))
+    module.w.data[3].view(-1).view(torch.int16)[first] ^= 1  # at a position e3 overwrites
+    before = _bits(module)
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _joined_calls(mp)
+        predicted: list[set[str]] = []
+        real = EngineReceiver._predict
+
+        def predicting(self, delta, prepared):  # type: ignore[no-untyped-def]
+            got = real(self, delta, prepared)
+            predicted.append(got)
+            return got
+
+        mp.setattr(EngineReceiver, "_predict", predicting)
+        with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
+            receiver.prepare(delta)
+    assert calls == [(E, E)] and "e3" in predicted[0]  # joined, and e3's target digest proven
+    after = _bits(module)
+    assert all(np.array_equal(after[n], before[n]) for n in before)
+    assert receiver.state.version == "v0" and receiver.state.applying is None

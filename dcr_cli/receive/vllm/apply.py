@@ -279,9 +279,10 @@ class Located:
 @dataclass
 class DeferredChecks:
     """A joined group's item digests (``pre`` of the bits held, ``post`` of the new bits), not yet
-    compared (``_joined_checked``). A tensor whose target digest ``_predict`` proves needs neither:
-    its prediction digests every element of its items as they will be, so it fails wherever either
-    would. The kept items of any other tensor are compared before the first pass's phase ends
+    compared (``_joined_checked``). The XOR items of a tensor whose target digest ``_predict`` proves
+    need neither: the prediction digests every element of them as it will be, and an element not at
+    its base value leads, through its mask, to bits that are not the target's, so it fails wherever
+    either would. Every other kept item is compared before the first pass's phase ends
     (``EngineReceiver._check_deferred``), so still before any write."""
 
     keys: list[int]  # the items (manifest indices), in the group's order
@@ -1204,7 +1205,9 @@ class EngineReceiver:
             current, new, edges = group.current.data, group.new.data, group.edges
             for j, (key, item) in enumerate(zip(group.keys, group.items, strict=True)):
                 if tensors is None:
-                    if item.tensor in self._predicted or key not in self._prepared:
+                    # A proven tensor proves its XOR items' pre and post; an overwrite's post only (its
+                    # elements' bits before it leave no trace in the target): those are always checked.
+                    if key not in self._prepared or (item.op == "xor" and item.tensor in self._predicted):
                         continue
                 elif item.tensor not in tensors:
                     continue
@@ -1232,12 +1235,15 @@ class EngineReceiver:
         sections read together, every frame checked and decoded at once (``codec.decode_joined``),
         and one compiled call (``kernels._apply_batch``) decodes the positions, checks them against
         their regions (refusing regions that overlap), gathers the bits held and computes the new
-        ones; each item's elements must digest to its ``pre`` and its new bits to its ``post``.
+        ones; each item's elements must digest to its ``pre`` and its new bits to its ``post``. Those
+        two digests per item are compared after the prediction, except for the XOR items of tensors
+        it proved (``DeferredChecks``, within DEFERRED_CHECK_BYTES; beyond it, here).
 
         The items of a parameter where anything is refused are left out of the result, and go one by
-        one (``_first_pass``), which gives the error with its usual message. So this changes the cost
-        only: what it keeps, the per-item path keeps with the same bits (``ready``: the storage
-        indices of the elements that change and their new bits). Reads only.
+        one (``_first_pass``), which gives the error with its usual message; so does an item whose
+        deferred check fails (``_check_deferred``). So this changes the cost only: what it keeps, the
+        per-item path keeps with the same bits (``ready``: the storage indices of the elements that
+        change and their new bits). Reads only.
         """
         by_param: dict[str, list[tuple[int, Item, Destination]]] = {}
         for k, item, placement in chunk:
