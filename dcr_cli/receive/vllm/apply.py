@@ -290,6 +290,8 @@ class DeferredChecks:
     current: np.ndarray  # their elements as gathered, end to end (bytes)
     new: np.ndarray  # their new bits, end to end (bytes)
     edges: list[int]  # item j's bytes in both: [edges[j], edges[j + 1])
+    xor: bool  # every item is an XOR
+    tensors: frozenset[str]  # the items' tensors
 
     @property
     def nbytes(self) -> int:
@@ -1135,7 +1137,8 @@ class EngineReceiver:
             placement = self.placement(name, delta.manifest.tensors[name])
             todo += [(k, item, placement) for k, item in items if not (skip and k in skip)]
         resident = self.resident()  # collected once, before any thread reads it
-        widths = {resident[d.param].element_size() for _, _, p in todo for d in p.destinations}
+        # Every width the model's parameters have (a few hundred parameters; not asked per item: 20k in an MoE delta).
+        widths = {t.element_size() for t in resident.values()}
         for width in sorted(widths):  # here, before the pause (and agreed): its writes never wait for the compiler
             compile_scatter(numpy_int(width))
 
@@ -1202,6 +1205,8 @@ class EngineReceiver:
         not match goes through the per-item first pass, which refuses it with its usual message."""
         where = f"vLLM engine (recorded version {self.state.version})"
         for group in self._deferred:
+            if tensors is None and group.xor and group.tensors <= self._predicted:
+                continue  # (all its items proven: no item to compare, nor to walk)
             current, new, edges = group.current.data, group.new.data, group.edges
             for j, (key, item) in enumerate(zip(group.keys, group.items, strict=True)):
                 if tensors is None:
@@ -1247,15 +1252,10 @@ class EngineReceiver:
         """
         by_param: dict[str, list[tuple[int, Item, Destination]]] = {}
         for k, item, placement in chunk:
-            region, dests = item.region, placement.destinations
-            if region.start is None or item.op == "replace" or not 0 < item.count <= JOINED_ITEM_ELEMENTS:
+            dest = placement.whole_run
+            if dest is None or item.region.start is None or not 0 < item.count <= JOINED_ITEM_ELEMENTS:
                 continue
-            if len(dests) != 1:
-                continue
-            if item.op == "xor" and item.repair is None:  # (refused one by one, with its message)
-                continue
-            dest = dests[0]
-            if dest.cast(placement.dtype) or not dest.contiguous or dest.src_offset or dest.numel != placement.numel:
+            if item.op == "replace" or (item.op == "xor" and item.repair is None):  # (the latter refused one by one)
                 continue
             by_param.setdefault(dest.param, []).append((k, item, dest))
         out: dict[int, Prepared] = {}
@@ -1783,7 +1783,9 @@ def _joined_checked(
     if not defer:
         return got, None
     keys = [key for key, _, _ in members]
-    return got, DeferredChecks(keys, [item for _, item, _ in members], cur, new, edges)
+    items = [item for _, item, _ in members]
+    tensors = frozenset(item.tensor for item in items)
+    return got, DeferredChecks(keys, items, cur, new, edges, bool(xor.all()), tensors)
 
 
 # ``_joined_checked`` sets every field of Located and Prepared without their ``__init__``: a field

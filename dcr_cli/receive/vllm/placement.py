@@ -163,6 +163,17 @@ class Placement:
         there. (Cached: asked per tensor and per item; the destinations never change once traced.)"""
         return any(d.cast(self.dtype) for d in self.destinations)
 
+    @functools.cached_property
+    def whole_run(self) -> Destination | None:
+        """The one destination that holds the whole tensor as one contiguous run of its parameter, without a
+        cast (an MoE expert's weight in its layer's fused weights); None where the tensor is held otherwise."""
+        if len(self.destinations) != 1:
+            return None
+        dest = self.destinations[0]
+        if dest.cast(self.dtype) or not dest.contiguous or dest.src_offset or dest.numel != self.numel:
+            return None
+        return dest
+
     @property
     def numel(self) -> int:
         n = 1
