@@ -1137,8 +1137,9 @@ class EngineReceiver:
             placement = self.placement(name, delta.manifest.tensors[name])
             todo += [(k, item, placement) for k, item in items if not (skip and k in skip)]
         resident = self.resident()  # collected once, before any thread reads it
-        # Every width the model's parameters have (a few hundred parameters; not asked per item: 20k in an MoE delta).
-        widths = {t.element_size() for t in resident.values()}
+        # Every integer width the model's parameters have (a few hundred parameters; not asked per item: 20k
+        # in an MoE delta). Once per process each: numba's cache then answers at once.
+        widths = {t.element_size() for t in resident.values()} & {1, 2, 4, 8}
         for width in sorted(widths):  # here, before the pause (and agreed): its writes never wait for the compiler
             compile_scatter(numpy_int(width))
 
