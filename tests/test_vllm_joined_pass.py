@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_versions import loaded, random_versions
+from engine_versions import as_tensors, loaded, random_versions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IncompatibleError
@@ -257,3 +258,136 @@ def test_an_overwrite_item_not_at_its_pre_image_is_refused_though_its_tensor_wou
     after = _bits(module)
     assert all(np.array_equal(after[n], before[n]) for n in before)
     assert receiver.state.version == "v0" and receiver.state.applying is None
+
+
+def _at_v0_with_e3_changed(tmp_path: Path, module: Experts, delta: Delta) -> EngineReceiver:
+    """A receiver recorded at v0 (a no-op delta fingerprints it), then one of e3's elements that the
+    delta changes flipped behind dcr's back."""
+    receiver = EngineReceiver(module)
+    diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
+    receiver.apply(Delta.open(str(tmp_path / "noop")))
+    assert receiver.state.version == "v0"
+    (e3,) = [item for item in delta.manifest.items if item.tensor == "e3"]
+    first = int(delta.decode(e3).positions[0])  # type: ignore[index]
+    module.w.data[3].view(-1).view(torch.int16)[first] ^= 1
+    return receiver
+
+
+@pytest.mark.parametrize("budget", [0, 700])
+@pytest.mark.parametrize("staged", [False, True])
+def test_items_the_budget_leaves_out_are_checked_before_the_first_write(
+    tmp_path: Path, budget: int, staged: bool
+) -> None:
+    """An item the first pass does not keep has no prediction to stand for its checks: its deferred
+    check is made all the same, before any write (with or without a prepare before the update)."""
+    base, _, delta = _versions(tmp_path, seed=3, rate=0.05)
+    module = loaded(Experts, base)
+    receiver = _at_v0_with_e3_changed(tmp_path, module, delta)
+    before = _bits(module)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_apply, "PREPARED_BYTES", budget)
+        with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
+            if staged:
+                receiver.prepare(delta)
+            receiver.apply(Delta.open(delta.url))
+    after = _bits(module)
+    assert all(np.array_equal(after[n], before[n]) for n in before)
+    assert receiver.state.version == "v0" and receiver.state.applying is None
+
+
+class ExpertsAndY(Experts):
+    """``Experts`` and ``y``, a row loaded into a parameter ``v`` of its own."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__(dtype)
+        self.v = torch.nn.Parameter(torch.zeros(1, C, dtype=dtype), requires_grad=False)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        rest = []
+        for name, t in weights:
+            if name == "y":
+                self.v.data.copy_(t)
+            else:
+                rest.append((name, t))
+        super().load_weights(rest)
+
+
+def test_a_prediction_staged_by_prepare_does_not_stand_for_the_updates_own_checks(tmp_path: Path) -> None:
+    """prepare proves e3 and batches its writes; then ``v`` is rebound onto e5's first row (the same
+    bits: ``y`` equals it), so e5 shares storage, the batches are dropped and their items go through
+    the update's first pass again, after e3 was changed behind dcr's back. prepare's prediction says
+    nothing about the bits read now: the update checks e3's item itself and refuses, writing nothing."""
+    rng = np.random.default_rng(8)
+    base = {n: rng.integers(0, 2**16, (R, C), dtype=np.uint16) for n in ["a", *(f"e{i}" for i in range(E))]}
+    base["y"] = base["e5"][:1].copy()
+    target = {n: x.copy() for n, x in base.items()}
+    for n in ["a", *(f"e{i}" for i in range(E))]:
+        hit = rng.random((R, C)) < 0.05
+        if n == "e5":
+            hit[0] = False  # (y's row stays as it is)
+        target[n][hit] ^= rng.integers(1, 2**16, int(hit.sum()), dtype=np.uint16)
+    for label, table in (("c0", base), ("c1", target)):
+        (tmp_path / label).mkdir()
+        save_file(as_tensors(table), str(tmp_path / label / "model.safetensors"))
+    diff(tmp_path / "c0", tmp_path / "c1", tmp_path / "d", base_version="v0", target_version="v1", workers=1)
+    delta = Delta.open(str(tmp_path / "d"))
+    module = loaded(ExpertsAndY, base)
+    receiver = EngineReceiver(module)
+    diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
+    receiver.apply(Delta.open(str(tmp_path / "noop")))
+    assert receiver.prepare(delta) == "apply"
+    assert receiver._staged is not None and receiver._staged.batches and "e3" in receiver._staged.predicted
+    module.v = torch.nn.Parameter(module.w.data[5][:1], requires_grad=False)
+    (e3,) = [item for item in delta.manifest.items if item.tensor == "e3"]
+    module.w.data[3].view(-1).view(torch.int16)[int(delta.decode(e3).positions[0])] ^= 1  # type: ignore[index]
+    before = _bits(module)
+    with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
+        receiver.apply(Delta.open(delta.url))
+    after = _bits(module)
+    assert all(np.array_equal(after[n], before[n]) for n in before)
+    assert receiver.state.version == "v0"
+
+
+def test_a_failed_prediction_reports_the_first_items_error_as_checks_made_at_once(tmp_path: Path) -> None:
+    """e3 changed at a position it overwrites (no trace in its target) and e4 where no item of it
+    writes: e4's prediction fails, but the items are checked first, and e3's item names the cause, as
+    when every item was checked at once."""
+    base, _, _ = _versions(tmp_path, seed=3, rate=0.05)
+    out = tmp_path / "overwrite"
+    diff(tmp_path / "c0", tmp_path / "c1", out, base_version="v0", target_version="v1", workers=1, overwrite=["e*"])
+    delta = Delta.open(str(out))
+    module = loaded(Experts, base)
+    receiver = _at_v0_with_e3_changed(tmp_path, module, delta)
+    (e4,) = [item for item in delta.manifest.items if item.tensor == "e4"]
+    untouched = np.setdiff1d(np.arange(R * C), np.asarray(delta.decode(e4).positions))[0]
+    module.w.data[4].view(-1).view(torch.int16)[int(untouched)] ^= 1
+    with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
+        receiver.prepare(delta)
+
+
+def _held(arrays: list[np.ndarray]) -> int:
+    """The bytes the buffers behind ``arrays`` hold, each buffer once."""
+    buffers: dict[int, int] = {}
+    for a in arrays:
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        buffers[id(a)] = a.nbytes
+    return sum(buffers.values())
+
+
+@pytest.mark.parametrize("budget", [700, 1 << 30])
+def test_what_prepare_keeps_holds_no_more_memory_than_it_counts(tmp_path: Path, budget: int) -> None:
+    """Joined items hold slices of their group's buffers: where the budget leaves some out, or a write
+    batch copies some, the rest hold copies of their own, so the budget counts what is held."""
+    base, _, delta = _versions(tmp_path, seed=5, rate=0.05)
+    receiver = EngineReceiver(loaded(Experts, base))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_apply, "PREPARED_BYTES", budget)
+        assert receiver.prepare(delta) == "apply"
+    staged = receiver._staged
+    assert staged is not None
+    kept = list(staged.prepared.values())
+    arrays = [a for p in kept for a in (p.new, *(at.index for at in p.located)) if a is not None]
+    arrays += [a for b in staged.batches for a in (b.index, b.values)]
+    counted = sum(p.nbytes for p in kept) + sum(b.index.nbytes + b.values.nbytes for b in staged.batches)
+    assert _held(arrays) <= counted

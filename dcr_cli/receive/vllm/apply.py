@@ -23,7 +23,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -282,7 +283,7 @@ class DeferredChecks:
     compared (``_joined_checked``). The XOR items of a tensor whose target digest ``_predict`` proves
     need neither: the prediction digests every element of them as it will be, and an element not at
     its base value leads, through its mask, to bits that are not the target's, so it fails wherever
-    either would. Every other kept item is compared before the first pass's phase ends
+    either would. Every other item, kept or not, is compared before the first pass's phase ends
     (``EngineReceiver._check_deferred``), so still before any write."""
 
     keys: list[int]  # the items (manifest indices), in the group's order
@@ -853,11 +854,14 @@ class EngineReceiver:
             values = np.concatenate([p.new.view(bits) for _, _, p in members if p.new is not None])
             for _, _, p in members:  # the batch holds their bits now: one copy, not two
                 p.new, p.values, p.current, p.canonical, p.located, p.ready = None, None, None, None, [], False
+                p.shares = False
             keys = frozenset(k for k, _, _ in members)
             in_batch = collections.Counter(name for _, name, _ in members)
             # (each item is in one batch at most: a tensor is whole where all its items are in this one)
             whole = frozenset(n for n, count in in_batch.items() if count == items_of[n])
             batches.append(WriteBatch(flat, index, values, keys, frozenset(in_batch), whole))
+        if batches:  # a batched item's group buffers must not stay alive through an item left out of the batches
+            _own_arrays(prepared.values())
         return batches
 
     def _untouched_and_first_pass(
@@ -879,11 +883,13 @@ class EngineReceiver:
             self._aliased_names = self._agreed_aliased(delta.manifest.tensors)
             # In the update after a prepare that kept every item, the prediction was made there and nothing
             # new can be predicted (the same items, the same budget): only a first pass here may add to it.
+            proven: set[str] = set()
             if not resuming and first_pass:
                 started = time.perf_counter()
-                self._predicted |= self._predict(delta, {**(skip or {}), **self._prepared})
+                proven = self._predict(delta, {**(skip or {}), **self._prepared})
+                self._predicted |= proven
                 self._predict_seconds += time.perf_counter() - started
-            self._check_deferred(delta)
+            self._check_deferred(delta, proven)
         finally:
             self._deferred.clear()
             self._deferred_bytes = 0
@@ -1176,6 +1182,7 @@ class EngineReceiver:
         # One rank: items on all cores (zstd, BLAKE3 and numpy's copies release the GIL); several
         # ranks exchange pieces per item, in the same order on every rank.
         results = ordered_parallel(tasks, default_workers()) if self.single else (run() for run in tasks)
+        left_out_shared = False
         for done, deferred in results:
             self._deferred += deferred
             for k, prepared in done:
@@ -1183,6 +1190,10 @@ class EngineReceiver:
                 if self._prepared_bytes + nbytes <= PREPARED_BYTES:
                     self._prepared[k] = prepared
                     self._prepared_bytes += nbytes
+                elif prepared.shares:
+                    left_out_shared = True
+        if left_out_shared:  # (the budget binds) a kept slice must not hold a left-out item's bytes alive
+            _own_arrays(self._prepared.values())
         if not self.single:
             # Ranks hold different shares of an item, so each fills its budget differently: keep only the
             # items every rank kept, so all take the same steps (and exchanges) from here on.
@@ -1199,23 +1210,20 @@ class EngineReceiver:
             self._compute_new(delta, item, placement, prepared)
         return prepared
 
-    def _check_deferred(self, delta: Delta, tensors: Collection[str] | None = None) -> None:
-        """The joined groups' deferred item checks (``DeferredChecks``) of the kept items whose tensors the
-        prediction did not prove; ``tensors``: of those tensors' items only, proven or not (a prediction
-        that failed: an item's own check names what is wrong more precisely). An item whose digests do
+    def _check_deferred(self, delta: Delta, proven: AbstractSet[str] = frozenset()) -> None:
+        """The joined groups' deferred item checks (``DeferredChecks``), of every item, kept or not, except
+        the XOR items of the tensors ``proven`` (whose target digests this first pass's own ``_predict``
+        proved: a staged prediction proves nothing about the bits read since). An item whose digests do
         not match goes through the per-item first pass, which refuses it with its usual message."""
         where = f"vLLM engine (recorded version {self.state.version})"
         for group in self._deferred:
-            if tensors is None and group.xor and group.tensors <= self._predicted:
+            if group.xor and group.tensors <= proven:
                 continue  # (all its items proven: no item to compare, nor to walk)
             current, new, edges = group.current.data, group.new.data, group.edges
             for j, (key, item) in enumerate(zip(group.keys, group.items, strict=True)):
-                if tensors is None:
-                    # A proven tensor proves its XOR items' pre and post; an overwrite's post only (its
-                    # elements' bits before it leave no trace in the target): those are always checked.
-                    if key not in self._prepared or (item.op == "xor" and item.tensor in self._predicted):
-                        continue
-                elif item.tensor not in tensors:
+                # A proven tensor proves its XOR items' pre and post; an overwrite's post only (the bits it
+                # replaces leave no trace in the target): those are always checked.
+                if item.op == "xor" and item.tensor in proven:
                     continue
                 a, b = edges[j], edges[j + 1]
                 if (
@@ -1387,7 +1395,7 @@ class EngineReceiver:
             got[name] = digest_bytes(whole)
         wrong = sorted(name for name, digest in got.items() if digest != m.tensors[name].digest)
         if wrong:
-            self._check_deferred(delta, set(wrong))  # an item's own check, where it fails, says more
+            self._check_deferred(delta)  # every item's own check first, as when they were made at once
             raise receiver_plan.prediction_failure(m, wrong, f"vLLM engine (recorded version {self.state.version})")
         return set(got)
 
@@ -1787,6 +1795,19 @@ def _joined_checked(
     items = [item for _, item, _ in members]
     tensors = frozenset(item.tensor for item in items)
     return got, DeferredChecks(keys, items, cur, new, edges, bool(xor.all()), tensors)
+
+
+def _own_arrays(prepared: Iterable[Prepared]) -> None:
+    """Give each item whose arrays are slices of its joined group's buffers (``Prepared.shares``) copies of its
+    own, where the rest of its group is dropped (left out by the budget, or written by a batch): the budget
+    counts each item's own slices, which holds only while the group's items keep its buffers together."""
+    for p in prepared:
+        if p.shares:
+            if p.new is not None:
+                p.new = p.new.copy()
+            for at in p.located:
+                at.index = at.index.copy()
+            p.shares = False
 
 
 # ``_joined_checked`` sets every field of Located and Prepared without their ``__init__``: a field
