@@ -9,6 +9,8 @@ checkpoint tensors ``e0..e5`` that its loader copies into one stacked parameter 
 
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch
 from engine_versions import as_tensors, loaded, random_versions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from manifest_text import manifest_v1
 from safetensors.torch import save_file
 
 from dcr_cli.delta.reader import Delta
@@ -73,9 +76,9 @@ def _joined_calls(mp: pytest.MonkeyPatch) -> list[tuple[int, int | None]]:
     calls: list[tuple[int, int | None]] = []
     real = engine_apply._joined_items
 
-    def counting(delta, members, flat, defer=False):  # type: ignore[no-untyped-def]
-        got = real(delta, members, flat, defer)
-        calls.append((len(members), None if got is None else len(got[0])))
+    def counting(delta, members, flat):  # type: ignore[no-untyped-def]
+        got = real(delta, members, flat)
+        calls.append((len(members), None if got is None else len(got)))
         return got
 
     mp.setattr(engine_apply, "_joined_items", counting)
@@ -94,7 +97,7 @@ def _check_joined_like_one_by_one(tmp: Path, seed: int, rate: float, uint: type)
     # w's sparse items, together; a alone in u is not joined
     assert calls == ([(len(experts), len(experts))] if len(experts) >= 2 else [])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat, defer=False: None)
+        mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
         one_module = loaded(Experts, base)
         one = _staged(EngineReceiver(one_module), delta)
     assert joined.keys() == one.keys() == set(range(len(delta.manifest.items)))
@@ -132,36 +135,18 @@ def test_joined_equals_one_by_one_for_any_change(seed: int, rate: float, uint: t
         _check_joined_like_one_by_one(Path(tmp), seed, rate, uint)
 
 
-@pytest.mark.parametrize("checks", ["predicted", "deferred", "at once"])
-def test_an_item_not_at_its_pre_image_refuses_the_delta_as_one_by_one_and_writes_nothing(
-    tmp_path: Path, checks: str
-) -> None:
-    """A weight changed behind dcr's back at one of e3's positions: nothing is written, no version
-    recorded, and the per-item path names the item, whichever check finds it first:
-
-    - ``predicted``: e3's prediction fails, and its items' deferred checks name the item;
-    - ``deferred``: nothing is predicted (as for an aliased tensor), the deferred checks find it;
-    - ``at once``: no room for deferred checks: the joined pass refuses the parameter's group and
-      its items go one by one."""
+def test_an_item_not_at_its_pre_image_refuses_the_delta_as_one_by_one_and_writes_nothing(tmp_path: Path) -> None:
+    """A weight changed behind dcr's back at one of e3's positions: the joined pass refuses its
+    parameter, the per-item path names the item, nothing is written and no version recorded."""
     base, _, delta = _versions(tmp_path, seed=3, rate=0.05)
-    (e3,) = [item for item in delta.manifest.items if item.tensor == "e3"]
-    first = int(delta.decode(e3).positions[0])  # type: ignore[index]
     module = loaded(Experts, base)
-    receiver = EngineReceiver(module)
-    diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
-    receiver.apply(Delta.open(str(tmp_path / "noop")))  # fingerprinted: the engine is at v0 (recorded)
-    assert receiver.state.version == "v0"
-    module.w.data[3].view(-1).view(torch.int16)[first] ^= 1
+    receiver = _at_v0_with_e3_changed(tmp_path, module, delta)
     before = _bits(module)
     with pytest.MonkeyPatch.context() as mp:
         calls = _joined_calls(mp)
-        if checks == "deferred":
-            mp.setattr(EngineReceiver, "_predict", lambda self, delta, prepared: set())
-        if checks == "at once":
-            mp.setattr(engine_apply, "DEFERRED_CHECK_BYTES", 0)
         with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
             receiver.prepare(delta)
-    assert calls == [(E, None if checks == "at once" else E)]
+    assert calls == [(E, None)]
     after = _bits(module)
     assert all(np.array_equal(after[n], before[n]) for n in before)
     assert receiver.state.version == "v0" and receiver.state.applying is None
@@ -176,7 +161,7 @@ def test_under_a_tight_budget_the_same_items_are_kept_as_one_by_one(tmp_path: Pa
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(engine_apply, "PREPARED_BYTES", 700)
             if not joined:
-                mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat, defer=False: None)
+                mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
             kept[joined] = _staged(EngineReceiver(loaded(Experts, base)), delta)
     tensors = [delta.manifest.items[k].tensor for k in sorted(kept[True])]
     assert tensors[0] == "a" and 1 < len(tensors) < E + 1  # the budget binds
@@ -211,50 +196,53 @@ def test_the_joined_pass_sets_every_field_it_makes_without_init() -> None:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("deferred", [True, False])
-def test_deferred_or_not_the_joined_pass_keeps_the_same_and_applies_exactly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deferred: bool
-) -> None:
-    """With the digest checks left for after the prediction or made at once (no room to defer), the same
-    items are kept with the same bits, and the apply is exact."""
-    if not deferred:
-        monkeypatch.setattr(engine_apply, "DEFERRED_CHECK_BYTES", 0)
-    _check_joined_like_one_by_one(tmp_path, seed=11, rate=0.01, uint=np.uint16)
-
-
 def test_an_overwrite_item_not_at_its_pre_image_is_refused_though_its_tensor_would_hold_the_target(
     tmp_path: Path,
 ) -> None:
-    """An overwrite replaces the bits it finds, so e3's target digest holds whatever was at its
-    positions: its proven prediction cannot stand for its items' ``pre`` checks (a weight changed
-    behind dcr's back), which are still made and refuse the delta, with nothing written."""
+    """An overwrite replaces the bits it finds, so e3's target digest would hold whatever was at its
+    positions: its item's own ``pre`` check still refuses the delta (a weight changed behind dcr's
+    back), with nothing written."""
     base, _, _ = _versions(tmp_path, seed=3, rate=0.05)
     out = tmp_path / "overwrite"
     diff(tmp_path / "c0", tmp_path / "c1", out, base_version="v0", target_version="v1", workers=1, overwrite=["e*"])
     delta = Delta.open(str(out))
-    (e3,) = [item for item in delta.manifest.items if item.tensor == "e3"]
-    assert e3.op == "overwrite"
-    first = int(delta.decode(e3).positions[0])  # type: ignore[index]
+    assert {item.op for item in delta.manifest.items if item.tensor.startswith("e")} == {"overwrite"}
+    module = loaded(Experts, base)
+    receiver = _at_v0_with_e3_changed(tmp_path, module, delta)
+    before = _bits(module)
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _joined_calls(mp)
+        with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
+            receiver.prepare(delta)
+    assert calls == [(E, None)]
+    after = _bits(module)
+    assert all(np.array_equal(after[n], before[n]) for n in before)
+    assert receiver.state.version == "v0" and receiver.state.applying is None
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_an_xor_item_with_pre_and_post_swapped_is_refused_joined_or_not(tmp_path: Path, joined: bool) -> None:
+    """A re-signed manifest that swaps one XOR item's ``pre`` and ``post``: its values still lead to the
+    target, so e3's target digest would hold, but the manifest contradicts itself and is refused, with
+    nothing written, as the per-item path and the on-disk receiver refuse it."""
+    base, _, delta = _versions(tmp_path, seed=3, rate=0.05)
+    out = tmp_path / "forged"
+    shutil.copytree(Path(delta.url) / "blocks", out / "blocks")
+    m = manifest_v1(Path(delta.url), rewrite=False)
+    (e3,) = [it for it in m["items"] if it["tensor"] == "e3"]
+    assert e3["op"] == "xor"
+    e3["pre"], e3["post"] = e3["post"], e3["pre"]
+    (out / "manifest.json").write_text(json.dumps(m))
     module = loaded(Experts, base)
     receiver = EngineReceiver(module)
     diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
     receiver.apply(Delta.open(str(tmp_path / "noop")))
-    module.w.data[3].view(-1).view(torch.int16)[first] ^= 1  # at a position e3 overwrites
     before = _bits(module)
     with pytest.MonkeyPatch.context() as mp:
-        calls = _joined_calls(mp)
-        predicted: list[set[str]] = []
-        real = EngineReceiver._predict
-
-        def predicting(self, delta, prepared):  # type: ignore[no-untyped-def]
-            got = real(self, delta, prepared)
-            predicted.append(got)
-            return got
-
-        mp.setattr(EngineReceiver, "_predict", predicting)
-        with pytest.raises(IncompatibleError, match=r"'e3' .* is not at the delta's pre-image"):
-            receiver.prepare(delta)
-    assert calls == [(E, E)] and "e3" in predicted[0]  # joined, and e3's target digest proven
+        if not joined:
+            mp.setattr(engine_apply, "_joined_items", lambda delta, members, flat: None)
+        with pytest.raises(IncompatibleError, match="pre-image"):
+            receiver.apply(Delta.open(str(out)))
     after = _bits(module)
     assert all(np.array_equal(after[n], before[n]) for n in before)
     assert receiver.state.version == "v0" and receiver.state.applying is None
@@ -278,8 +266,8 @@ def _at_v0_with_e3_changed(tmp_path: Path, module: Experts, delta: Delta) -> Eng
 def test_items_the_budget_leaves_out_are_checked_before_the_first_write(
     tmp_path: Path, budget: int, staged: bool
 ) -> None:
-    """An item the first pass does not keep has no prediction to stand for its checks: its deferred
-    check is made all the same, before any write (with or without a prepare before the update)."""
+    """An item the first pass does not keep (the budget binds) is checked all the same, before any
+    write, with or without a prepare before the update."""
     base, _, delta = _versions(tmp_path, seed=3, rate=0.05)
     module = loaded(Experts, base)
     receiver = _at_v0_with_e3_changed(tmp_path, module, delta)
@@ -312,11 +300,11 @@ class ExpertsAndY(Experts):
         super().load_weights(rest)
 
 
-def test_a_prediction_staged_by_prepare_does_not_stand_for_the_updates_own_checks(tmp_path: Path) -> None:
+def test_items_the_update_reads_again_after_prepare_are_checked_again(tmp_path: Path) -> None:
     """prepare proves e3 and batches its writes; then ``v`` is rebound onto e5's first row (the same
     bits: ``y`` equals it), so e5 shares storage, the batches are dropped and their items go through
     the update's first pass again, after e3 was changed behind dcr's back. prepare's prediction says
-    nothing about the bits read now: the update checks e3's item itself and refuses, writing nothing."""
+    nothing about the bits read now: the update checks e3's item again and refuses, writing nothing."""
     rng = np.random.default_rng(8)
     base = {n: rng.integers(0, 2**16, (R, C), dtype=np.uint16) for n in ["a", *(f"e{i}" for i in range(E))]}
     base["y"] = base["e5"][:1].copy()
@@ -348,10 +336,10 @@ def test_a_prediction_staged_by_prepare_does_not_stand_for_the_updates_own_check
     assert receiver.state.version == "v0"
 
 
-def test_a_failed_prediction_reports_the_first_items_error_as_checks_made_at_once(tmp_path: Path) -> None:
+def test_an_items_error_comes_before_another_tensors_failed_prediction(tmp_path: Path) -> None:
     """e3 changed at a position it overwrites (no trace in its target) and e4 where no item of it
-    writes: e4's prediction fails, but the items are checked first, and e3's item names the cause, as
-    when every item was checked at once."""
+    writes (only e4's prediction can see that): the items are checked first, and e3's item names the
+    cause."""
     base, _, _ = _versions(tmp_path, seed=3, rate=0.05)
     out = tmp_path / "overwrite"
     diff(tmp_path / "c0", tmp_path / "c1", out, base_version="v0", target_version="v1", workers=1, overwrite=["e*"])

@@ -21,10 +21,8 @@ weights, TP replicas) all end with the same bits.
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -277,33 +275,6 @@ class Located:
         return count
 
 
-@dataclass
-class DeferredChecks:
-    """A joined group's item digests (``pre`` of the bits held, ``post`` of the new bits), not yet
-    compared (``_joined_checked``). The XOR items of a tensor whose target digest ``_predict`` proves
-    need neither: the prediction digests every element of them as it will be, and an element not at
-    its base value leads, through its mask, to bits that are not the target's, so it fails wherever
-    either would. Every other item, kept or not, is compared before the first pass's phase ends
-    (``EngineReceiver._check_deferred``), so still before any write."""
-
-    keys: list[int]  # the items (manifest indices), in the group's order
-    items: list[Item]
-    current: np.ndarray  # their elements as gathered, end to end (bytes)
-    new: np.ndarray  # their new bits, end to end (bytes)
-    edges: list[int]  # item j's bytes in both: [edges[j], edges[j + 1])
-    xor: bool  # every item is an XOR
-    tensors: frozenset[str]  # the items' tensors
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.current.nbytes + self.new.nbytes)
-
-
-# Memory the joined groups' deferred checks may hold at once (``DeferredChecks``: the bits gathered
-# and the new bits of the group's items); a group beyond it compares its digests at once, as before.
-DEFERRED_CHECK_BYTES = 256 << 20
-
-
 def _write_elements(flat: np.ndarray | torch.Tensor, index: np.ndarray | torch.Tensor, values) -> None:  # type: ignore[no-untyped-def]
     """The only place dcr writes resident weights (tests inject failures here).
 
@@ -354,10 +325,6 @@ class EngineReceiver:
         self._prepared: dict[int, Prepared] = {}
         self._prepared_bytes = 0
         self._batch_bytes = 0  # what the staged write batches hold, in the update (part of PREPARED_BYTES)
-        # The joined groups' item checks left for after the prediction (within DEFERRED_CHECK_BYTES).
-        self._deferred: list[DeferredChecks] = []
-        self._deferred_bytes = 0
-        self._deferred_lock = threading.Lock()
         self._staged: Staged | None = None
         self._skip_blocks = False
         # In prepare, a remote delta's blocks download while the first pass reads them (each section is
@@ -877,22 +844,15 @@ class EngineReceiver:
         if base_table is not None and (memo is None or memo[0] is not delta.manifest or memo[1] is not base_table):
             receiver_plan.check_untouched(delta.manifest, base_table, delta.url)
             self._untouched_checked = (delta.manifest, base_table)  # (the pause after prepare: done)
-        try:
-            if first_pass:
-                self._first_pass(delta, resuming, skip=skip)
-            self._aliased_names = self._agreed_aliased(delta.manifest.tensors)
-            # In the update after a prepare that kept every item, the prediction was made there and nothing
-            # new can be predicted (the same items, the same budget): only a first pass here may add to it.
-            proven: set[str] = set()
-            if not resuming and first_pass:
-                started = time.perf_counter()
-                proven = self._predict(delta, {**(skip or {}), **self._prepared})
-                self._predicted |= proven
-                self._predict_seconds += time.perf_counter() - started
-            self._check_deferred(delta, proven)
-        finally:
-            self._deferred.clear()
-            self._deferred_bytes = 0
+        if first_pass:
+            self._first_pass(delta, resuming, skip=skip)
+        self._aliased_names = self._agreed_aliased(delta.manifest.tensors)
+        # In the update after a prepare that kept every item, the prediction was made there and nothing
+        # new can be predicted (the same items, the same budget): only a first pass here may add to it.
+        if not resuming and first_pass:
+            started = time.perf_counter()
+            self._predicted |= self._predict(delta, {**(skip or {}), **self._prepared})
+            self._predict_seconds += time.perf_counter() - started
         if blocks and delta.source.remote:  # prepare: the download overlapped the first pass; now every block whole
             delta.verify_blocks()
 
@@ -1155,15 +1115,14 @@ class EngineReceiver:
         # One rank, a fresh apply: a chunk's small items into one parameter are checked and computed
         # together where they can be (``_joined_pass``); the rest, and anything it refuses, one by one.
         joining = self.single and not resuming
-        Done = tuple[list[tuple[int, Prepared]], list[DeferredChecks]]
 
-        def task(chunk: list[tuple[int, Item, Placement]]) -> Callable[[], Done]:
-            def run() -> Done:
+        def task(chunk: list[tuple[int, Item, Placement]]) -> Callable[[], list[tuple[int, Prepared]]]:
+            def run() -> list[tuple[int, Prepared]]:
                 if len(chunk) > 1:  # their data sections, next to each other in a block: one read for all
                     delta.preread([item.data for _, item, _ in chunk], lambda i: f"{chunk[i][1].tensor} data")
-                joined, deferred = self._joined_pass(delta, chunk) if joining and len(chunk) > 1 else ({}, [])
+                joined = self._joined_pass(delta, chunk) if joining and len(chunk) > 1 else {}
                 # In the chunk's order, as one by one: the budget then keeps the same items either way.
-                return [(t[0], joined[t[0]]) if t[0] in joined else one(*t) for t in chunk], deferred
+                return [(t[0], joined[t[0]]) if t[0] in joined else one(*t) for t in chunk]
 
             return run
 
@@ -1183,8 +1142,7 @@ class EngineReceiver:
         # ranks exchange pieces per item, in the same order on every rank.
         results = ordered_parallel(tasks, default_workers()) if self.single else (run() for run in tasks)
         left_out_shared = False
-        for done, deferred in results:
-            self._deferred += deferred
+        for done in results:
             for k, prepared in done:
                 nbytes = prepared.nbytes
                 if self._prepared_bytes + nbytes <= PREPARED_BYTES:
@@ -1210,38 +1168,7 @@ class EngineReceiver:
             self._compute_new(delta, item, placement, prepared)
         return prepared
 
-    def _check_deferred(self, delta: Delta, proven: AbstractSet[str] = frozenset()) -> None:
-        """The joined groups' deferred item checks (``DeferredChecks``), of every item, kept or not, except
-        the XOR items of the tensors ``proven`` (whose target digests this first pass's own ``_predict``
-        proved: a staged prediction proves nothing about the bits read since). An item whose digests do
-        not match goes through the per-item first pass, which refuses it with its usual message."""
-        where = f"vLLM engine (recorded version {self.state.version})"
-        for group in self._deferred:
-            if group.xor and group.tensors <= proven:
-                continue  # (all its items proven: no item to compare, nor to walk)
-            current, new, edges = group.current.data, group.new.data, group.edges
-            for j, (key, item) in enumerate(zip(group.keys, group.items, strict=True)):
-                # A proven tensor proves its XOR items' pre and post; an overwrite's post only (the bits it
-                # replaces leave no trace in the target): those are always checked.
-                if item.op == "xor" and item.tensor in proven:
-                    continue
-                a, b = edges[j], edges[j + 1]
-                if (
-                    blake3.blake3(current[a:b]).hexdigest() == item.pre
-                    and blake3.blake3(new[a:b]).hexdigest() == item.post
-                ):
-                    continue
-                placement = self.placement(item.tensor, delta.manifest.tensors[item.tensor])
-                prepared = self._first_pass_item(delta, item, placement, False, where)
-                # (Not reached unless the one-by-one path reads other bits than the joined kernel did: keep
-                # what it found, within the budget's accounting.)
-                if key in self._prepared:
-                    self._prepared_bytes += prepared.nbytes - self._prepared[key].nbytes
-                    self._prepared[key] = prepared
-
-    def _joined_pass(
-        self, delta: Delta, chunk: list[tuple[int, Item, Placement]]
-    ) -> tuple[dict[int, Prepared], list[DeferredChecks]]:
+    def _joined_pass(self, delta: Delta, chunk: list[tuple[int, Item, Placement]]) -> dict[int, Prepared]:
         """A fresh apply on one rank: the first pass of a chunk's items, joined per parameter where it
         can be, as the on-disk receiver's batches (``checkpoint.batch``): the small (JOINED_ITEM_ELEMENTS)
         sparse items over flat regions of tensors held whole, without a cast, as one contiguous run of
@@ -1249,15 +1176,12 @@ class EngineReceiver:
         sections read together, every frame checked and decoded at once (``codec.decode_joined``),
         and one compiled call (``kernels._apply_batch``) decodes the positions, checks them against
         their regions (refusing regions that overlap), gathers the bits held and computes the new
-        ones; each item's elements must digest to its ``pre`` and its new bits to its ``post``. Those
-        two digests per item are compared after the prediction, except for the XOR items of tensors
-        it proved (``DeferredChecks``, within DEFERRED_CHECK_BYTES; beyond it, here).
+        ones; each item's elements must digest to its ``pre`` and its new bits to its ``post``.
 
         The items of a parameter where anything is refused are left out of the result, and go one by
-        one (``_first_pass``), which gives the error with its usual message; so does an item whose
-        deferred check fails (``_check_deferred``). So this changes the cost only: what it keeps, the
-        per-item path keeps with the same bits (``ready``: the storage indices of the elements that
-        change and their new bits). Reads only.
+        one (``_first_pass``), which gives the error with its usual message. So this changes the cost
+        only: what it keeps, the per-item path keeps with the same bits (``ready``: the storage
+        indices of the elements that change and their new bits). Reads only.
         """
         by_param: dict[str, list[tuple[int, Item, Destination]]] = {}
         for k, item, placement in chunk:
@@ -1268,24 +1192,14 @@ class EngineReceiver:
                 continue
             by_param.setdefault(dest.param, []).append((k, item, dest))
         out: dict[int, Prepared] = {}
-        deferred: list[DeferredChecks] = []
         for param, members in by_param.items():
             flat = self._flat(param)
             if len(members) < 2 or flat.device.type != "cpu":
                 continue
-            cost = 2 * flat.element_size() * sum(item.count for _, item, _ in members)
-            with self._deferred_lock:
-                defer = self._deferred_bytes + cost <= DEFERRED_CHECK_BYTES
-                self._deferred_bytes += cost if defer else 0
-            got = _joined_items(delta, members, flat, defer)
-            if got is None:
-                with self._deferred_lock:
-                    self._deferred_bytes -= cost if defer else 0
-                continue
-            out.update(got[0])
-            if got[1] is not None:
-                deferred.append(got[1])
-        return out, deferred
+            got = _joined_items(delta, members, flat)
+            if got is not None:
+                out.update(got)
+        return out
 
     def _predict(self, delta: Delta, prepared: dict[int, Prepared]) -> set[str]:
         """A fresh apply, before any write: prove each touched tensor's target digest from the bits
@@ -1395,7 +1309,6 @@ class EngineReceiver:
             got[name] = digest_bytes(whole)
         wrong = sorted(name for name, digest in got.items() if digest != m.tensors[name].digest)
         if wrong:
-            self._check_deferred(delta)  # every item's own check first, as when they were made at once
             raise receiver_plan.prediction_failure(m, wrong, f"vLLM engine (recorded version {self.state.version})")
         return set(got)
 
@@ -1687,11 +1600,10 @@ def _chunks(
 
 
 def _joined_items(
-    delta: Delta, members: list[tuple[int, Item, Destination]], flat: torch.Tensor, defer: bool = False
-) -> tuple[dict[int, Prepared], DeferredChecks | None] | None:
+    delta: Delta, members: list[tuple[int, Item, Destination]], flat: torch.Tensor
+) -> dict[int, Prepared] | None:
     """``EngineReceiver._joined_pass`` for the items ``members`` of one parameter (storage ``flat``):
-    each a flat region of a tensor held as one contiguous run there. None where anything is refused;
-    ``defer``: the items' digests are compared later (``DeferredChecks``), not here."""
+    each a flat region of a tensor held as one contiguous run there. None where anything is refused."""
     width = flat.element_size()
     size = flat.numel()
     if any(d.dst_offset + d.numel > size for _, _, d in members):
@@ -1712,7 +1624,7 @@ def _joined_items(
     # refuses, they are given back for the items' decode one by one, not read again)
     sections = [item.data for _, item, _ in members]
     datas = [delta.read_section(item.data, f"{item.tensor} data") for _, item, _ in members]
-    got = _joined_checked(members, flat, datas, region_at, sizes, counts, xor, lengths, positions_lengths, defer)
+    got = _joined_checked(members, flat, datas, region_at, sizes, counts, xor, lengths, positions_lengths)
     if got is None:
         delta.give_back(sections, datas)
     return got
@@ -1728,10 +1640,8 @@ def _joined_checked(
     xor: np.ndarray,
     lengths: np.ndarray,
     positions_lengths: np.ndarray,
-    defer: bool = False,
-) -> tuple[dict[int, Prepared], DeferredChecks | None] | None:
-    """``_joined_items`` once the sections' bytes ``datas`` are read: decoded, gathered, computed and
-    checked (``defer``: the digests are left to compare, returned with the items).
+) -> dict[int, Prepared] | None:
+    """``_joined_items`` once the sections' bytes ``datas`` are read: decoded, gathered, computed, checked.
 
     The items' arrays are slices of the group's (``Prepared.shares``), made without a dataclass
     ``__init__`` each: at 20k expert items a call per item costs tens of milliseconds of the GIL."""
@@ -1757,14 +1667,13 @@ def _joined_checked(
     if bad >= 0:
         return None
     edges = out_at.tolist()
-    if not defer:
-        cur_view, new_view = cur.data, new.data
-        for k, (_, item, _) in enumerate(members):
-            a, b = edges[k], edges[k + 1]
-            if blake3.blake3(cur_view[a:b]).hexdigest() != item.pre:
-                return None
-            if blake3.blake3(new_view[a:b]).hexdigest() != item.post:
-                return None
+    cur_view, new_view = cur.data, new.data
+    for k, (_, item, _) in enumerate(members):
+        a, b = edges[k], edges[k + 1]
+        if blake3.blake3(cur_view[a:b]).hexdigest() != item.pre:
+            return None
+        if blake3.blake3(new_view[a:b]).hexdigest() != item.post:
+            return None
     uint = np.dtype(f"<u{width}")
     held, bits = cur.view(uint), new.view(uint)
     index = patch_at[::width] // width
@@ -1789,12 +1698,7 @@ def _joined_checked(
             new=bits[a:b], canonical=None, ready=True, shares=True,
         )  # fmt: skip
         got[key] = prepared
-    if not defer:
-        return got, None
-    keys = [key for key, _, _ in members]
-    items = [item for _, item, _ in members]
-    tensors = frozenset(item.tensor for item in items)
-    return got, DeferredChecks(keys, items, cur, new, edges, bool(xor.all()), tensors)
+    return got
 
 
 def _own_arrays(prepared: Iterable[Prepared]) -> None:
