@@ -23,6 +23,8 @@ import contextlib
 import os
 import re
 import stat
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +59,12 @@ STORE_MANIFESTS = "manifests"  # store-v1 §1: manifests/<digest>.json beside bl
 _STORE_MANIFEST = re.compile(rf"(?P<root>.*)/{STORE_MANIFESTS}/(?P<digest>[0-9a-f]{{64}})\.json")
 FETCH_WORKERS = 8  # parallel block fetches from a remote source
 GROUP_READ_BYTES = 4 << 20  # read_sections reads a run of adjacent sections at once up to this many bytes
+# Manifests parsed in this process and still alive somewhere, by the BLAKE3 of their bytes: a second
+# open of the same bytes takes the same (never mutated) parse. An engine in the caller's process (vLLM's
+# ``LLM``) has the client and the worker open every delta: the second parse of an MoE manifest
+# (20k items) cost 160-180 ms of the GIL. Weak: the cache never keeps a manifest alive by itself.
+_parsed: weakref.WeakValueDictionary[str, Manifest] = weakref.WeakValueDictionary()
+_parsed_lock = threading.Lock()
 
 
 @dataclass(eq=False)  # identity: receivers keep deltas in lists and ask "is this one in the plan"
@@ -115,8 +123,7 @@ class Delta:
         digest = digest_bytes(raw)
         if expected is not None and digest != expected:
             raise IntegrityError(f"{location}: the manifest's bytes do not have the digest its name says (corrupt)")
-        with no_collections():  # 100k items: the parse builds millions of objects and no cycles
-            manifest = parse_manifest(raw)
+        manifest = _parse_once(raw, digest)
         in_store = _STORE_MANIFEST.fullmatch(location.rstrip("/")) if store is not None else None
         if in_store is not None:
             # A missing repair block is then told apart as the store would (not ready / lost, store-v1 §4.1).
@@ -436,6 +443,19 @@ def _read_manifest(source: BlockSource, path: str) -> bytes:
 
 
 DeltaLike = str | os.PathLike[str] | Delta
+
+
+def _parse_once(raw: bytes, digest: str) -> Manifest:
+    """``parse_manifest(raw)``, or the manifest parsed from the same bytes (``digest``) that this process
+    still holds: the same bytes parse to the same manifest, and nothing mutates a parsed one."""
+    with _parsed_lock:
+        manifest = _parsed.get(digest)
+    if manifest is None:
+        with no_collections():  # 100k items: the parse builds millions of objects and no cycles
+            manifest = parse_manifest(raw)
+        with _parsed_lock:
+            _parsed[digest] = manifest
+    return manifest
 
 
 def open_deltas(

@@ -956,6 +956,8 @@ class EngineReceiver:
         finally:
             self._prepared.clear()
             self._prepared_bytes = self._batch_bytes = 0
+            # Nor the delta's manifest (these memos hold it): only its table stays, as the version held.
+            self._grouped_memo = self._untouched_checked = self._table_checked = None
         unaccounted = set(names) - set(digests) - predicted
         if unaccounted:  # a bug, never a delta's fault: nothing may be recorded unproven
             raise DcrError(f"internal error: {len(unaccounted)} touched tensors were neither digested nor predicted")

