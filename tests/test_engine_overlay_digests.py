@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcr_cli.delta.reader import Delta
-from dcr_cli.errors import IntegrityError
+from dcr_cli.errors import IncompatibleError, IntegrityError
 from dcr_cli.format.manifest import parse_manifest
 from dcr_cli.produce import diff
 from dcr_cli.receive.vllm import apply as engine_apply
@@ -166,3 +166,35 @@ def test_a_steady_deltas_write_groups_are_reused_only_while_the_placements_are_t
     receiver.apply(third)
     assert receiver.state.version == "v1"
     assert all(np.array_equal(_held(module)[n], target[n]) for n in NAMES)
+
+
+def test_the_receiver_keeps_no_manifest_after_an_apply_a_noop_or_a_refused_prepare(tmp_path: Path) -> None:
+    """The version held keeps its table only: after an apply, a no-op apply or prepare, and a prepare that
+    refuses, nothing of the receiver's keeps the delta's manifest (its items and sections) alive."""
+    import gc
+
+    from dcr_cli.delta import reader
+
+    base, _target, delta = _versions(tmp_path, 2, 0.05, np.uint16)
+    location, digest = delta.url, delta.id
+    receiver = EngineReceiver(loaded(Layer, base))
+
+    def pinned(which: str = digest) -> bool:
+        gc.collect()
+        return reader._parsed.get(which) is not None
+
+    receiver.apply(delta)
+    del delta
+    assert not pinned()
+    assert receiver.apply(Delta.open(location)).status == "noop"
+    assert not pinned()
+    assert receiver.prepare(Delta.open(location)) == "noop"
+    assert not pinned()
+    # At another base, a prepare refuses: nothing of it is kept either.
+    diff(tmp_path / "c0", tmp_path / "c0", tmp_path / "noop", base_version="v0", target_version="v0", workers=1)
+    other = Delta.open(tmp_path / "noop")
+    with pytest.raises(IncompatibleError):
+        receiver.prepare(other)
+    refused = other.id
+    del other
+    assert not pinned(refused)

@@ -221,3 +221,42 @@ def test_a_chain_is_applied_under_one_claim(qwen3: list[Path]) -> None:
     verify_llm(llm)
     assert intruder.rpc("claim", delta="f" * 64, lease=300)[0]["claimed"]  # released at the end
     assert intruder.rpc("release")[0]["ok"]
+
+
+def test_the_collectors_passes_are_deferred_from_a_prepare_only_while_its_client_is_about(
+    qwen3: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepare defers the worker's cyclic collections (none walks the staged delta) until its update, or
+    its client's release. A client that prepares and goes away leaves them deferred for DEFER_LIMIT_S at
+    most; an update after its claim lapsed resumes them at once."""
+    from dcr_cli.io.gc_pause import YOUNG
+    from dcr_cli.receive.vllm import backend
+    from dcr_cli.receive.vllm.client import delta_location
+
+    root = qwen3[0].parent
+    llm = start_llm(qwen3[0])
+    vllms = gc.get_threshold()
+    client = InProcessEngine(llm)
+
+    monkeypatch.setattr(backend, "DEFER_LIMIT_S", 0.5)
+    client.token = "a" * 32
+    assert client.rpc("claim", delta=Delta.open(root / "d1").id, lease=300)[0]["claimed"]
+    assert client.rpc("prepare", delta=delta_location(root / "d1"))[0]["mode"] == "apply"
+    assert gc.get_threshold()[0] == YOUNG
+    deadline = time.monotonic() + 30
+    while gc.get_threshold() != vllms and time.monotonic() < deadline:  # the client never comes back
+        time.sleep(0.05)
+    assert gc.get_threshold() == vllms
+
+    monkeypatch.setattr(backend, "DEFER_LIMIT_S", 300.0)
+    client.token = "b" * 32
+    assert client.rpc("claim", delta=Delta.open(root / "d1").id, lease=0.2)[0]["claimed"]
+    assert client.rpc("prepare", delta=delta_location(root / "d1"))[0]["mode"] == "apply"
+    assert gc.get_threshold()[0] == YOUNG
+    time.sleep(0.5)  # its claim lapses; an update comes without it (vLLM's own route, say)
+    client.start()
+    client.update(delta_location(root / "d1"))
+    client.finish("step-1")
+    assert gc.get_threshold() == vllms
+    verify_llm(llm)
+    assert llm.get_weight_version() == "step-1"

@@ -11,6 +11,7 @@ after a crash finishes the job.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -252,7 +253,8 @@ def assemble(out: str | os.PathLike[str]) -> Manifest:
         extra={"residual_tensors": residual} if residual else {},
         major=objs[0].get("delta_major", 1),  # a part without it is from a 1.x writer: full section digests
     )
-    raw = manifest.raw = manifest.to_json_bytes()
+    manifest = dataclasses.replace(manifest, raw=manifest.to_json_bytes())
+    raw = manifest.file_bytes()
     parse_manifest(raw)  # the same checks a reader makes, overlap included, before anything is published
     write_atomic(out / MANIFEST_NAME, raw)
     fsync_dir(out)

@@ -8,6 +8,7 @@ something that looks like a delta.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import shutil
@@ -330,8 +331,8 @@ class DeltaWriter:
                 extra=dict(extra or {}),
                 major=self.major,
             )
-            manifest.raw = manifest.to_json_bytes(self.manifest_level)
-            self.commit(MANIFEST_NAME, manifest.raw)
+            manifest = dataclasses.replace(manifest, raw=manifest.to_json_bytes(self.manifest_level))
+            self.commit(MANIFEST_NAME, manifest.file_bytes())
             return manifest
 
     def abort(self) -> None:

@@ -254,8 +254,11 @@ class VersionRef:
     fingerprint: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class Manifest:
+    """A delta's manifest. Never changed once made: a process shares one parse of the same bytes between
+    every delta opened from them (``delta.reader``), so its table, items and blocks are read-only too."""
+
     base: VersionRef
     target: VersionRef
     tensors: dict[str, TensorEntry]

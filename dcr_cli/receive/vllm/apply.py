@@ -722,6 +722,16 @@ class EngineReceiver:
         PREPARED_BYTES) is staged for the update of the same delta, which then only writes and
         proves. Returns the mode, as ``check``.
         """
+        try:
+            mode = self._prepare(delta)
+        except BaseException:
+            self.forget_manifest()
+            raise
+        if mode == "noop":  # (no update follows to read the memos)
+            self.forget_manifest()
+        return mode
+
+    def _prepare(self, delta: Delta) -> str:
         self._staged = None
         self._fingerprint_seconds = self._predict_seconds = 0.0
         self._predicted = set()
@@ -873,6 +883,18 @@ class EngineReceiver:
     @fewer_collections()  # (as prepare)
     @torch.no_grad()
     def apply(self, delta: Delta) -> ApplyReport:
+        try:
+            return self._apply(delta)
+        finally:
+            self.forget_manifest()
+
+    def forget_manifest(self) -> None:
+        """Drop the memos that hold the last delta's manifest (its items and sections), once nothing reads them
+        again: after an apply, or a prepare that ends without one to follow. The version held keeps its
+        table only."""
+        self._grouped_memo = self._untouched_checked = self._table_checked = None
+
+    def _apply(self, delta: Delta) -> ApplyReport:
         started = time.perf_counter()
         m = delta.manifest
         staged = self._take_staged(delta)
@@ -959,8 +981,6 @@ class EngineReceiver:
         finally:
             self._prepared.clear()
             self._prepared_bytes = self._batch_bytes = 0
-            # Nor the delta's manifest (these memos hold it): only its table stays, as the version held.
-            self._grouped_memo = self._untouched_checked = self._table_checked = None
         unaccounted = set(names) - set(digests) - predicted
         if unaccounted:  # a bug, never a delta's fault: nothing may be recorded unproven
             raise DcrError(f"internal error: {len(unaccounted)} touched tensors were neither digested nor predicted")

