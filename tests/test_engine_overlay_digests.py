@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.errors import IncompatibleError, IntegrityError
-from dcr_cli.format.manifest import parse_manifest
+from dcr_cli.format.manifest import TensorEntry, parse_manifest
 from dcr_cli.produce import diff
 from dcr_cli.receive.vllm import apply as engine_apply
 from dcr_cli.receive.vllm.apply import EngineReceiver
@@ -198,3 +198,41 @@ def test_the_receiver_keeps_no_manifest_after_an_apply_a_noop_or_a_refused_prepa
     refused = other.id
     del other
     assert not pinned(refused)
+
+
+def test_a_new_table_of_the_same_tensors_keeps_their_placements_only_while_the_storages_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``trace_all`` of a steady refit's next table (the same tensors, new entries) keeps every placement
+    without checking each tensor, where every parameter's storage is where it was; a parameter given a
+    new storage since has its tensors traced again, and the apply after it is exact."""
+    base, target, delta = _versions(tmp_path, 3, 0.05, np.uint16)
+    module = loaded(Layer, base)
+    receiver = EngineReceiver(module)
+    traced: list[set[str]] = []
+    real = engine_apply.trace_placements
+
+    def counting(model, missing):  # type: ignore[no-untyped-def]
+        traced.append(set(missing))
+        return real(model, missing)
+
+    monkeypatch.setattr(engine_apply, "trace_placements", counting)
+    receiver._begin()
+    receiver.trace_all(delta.manifest.tensors)
+    assert traced == [set(NAMES)]
+    kept = dict(receiver._placements)
+
+    def same_tensors_new_entries() -> dict[str, TensorEntry]:
+        return {n: dataclasses.replace(e) for n, e in delta.manifest.tensors.items()}
+
+    receiver._begin()
+    receiver.trace_all(same_tensors_new_entries())
+    assert len(traced) == 1 and all(receiver._placements[n] is kept[n] for n in NAMES)
+
+    module.u = torch.nn.Parameter(module.u.data.clone(), requires_grad=False)  # same bits, new storage
+    receiver._begin()
+    receiver.trace_all(same_tensors_new_entries())
+    assert traced[1:] == [{"a"}]
+    assert all(receiver._placements[n] is kept[n] for n in NAMES if n != "a")
+    assert receiver.apply(delta).status == "applied"
+    assert all(np.array_equal(_held(module)[n], target[n]) for n in NAMES)

@@ -444,10 +444,23 @@ class EngineReceiver:
         """
         storages = {param: self._storage_ptr(param) for param in self.resident()}
         traced = self._traced
-        if traced is not None and traced[0] is table and traced[1] == storages:
-            self._all_valid = table
-            return
-        missing = {n: (e.shape, TORCH_DTYPES[e.dtype]) for n, e in table.items() if self._cached(n, e) is None}
+        if traced is not None and traced[1] == storages:
+            if traced[0] is table:
+                self._all_valid = table
+                return
+            # Every storage is where it was when the last table's placements were all checked, and none
+            # was traced since (that clears ``_traced``): a tensor of that table with the same shape and
+            # dtype keeps its placement, as its own check would find (a steady refit's next delta: the
+            # same tensors, another table). The others are checked one by one.
+            last, placements = traced[0], self._placements
+            missing = {}
+            for n, e in table.items():
+                was = last.get(n)
+                kept = was is not None and was.shape == e.shape and was.dtype == e.dtype and n in placements
+                if not kept and self._cached(n, e) is None:
+                    missing[n] = (e.shape, TORCH_DTYPES[e.dtype])
+        else:
+            missing = {n: (e.shape, TORCH_DTYPES[e.dtype]) for n, e in table.items() if self._cached(n, e) is None}
         if missing:
             self._placements.update(trace_placements(self.model, missing))
             self._placement_epoch += 1
