@@ -35,7 +35,7 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
         seen.append(raw)
         return parse_manifest(raw)
 
-    monkeypatch.setattr(reader, "parse_manifest", counting)
+    monkeypatch.setattr(reader, "parse_manifest", counting)  # (the store opens through the reader)
     return seen
 
 
@@ -71,3 +71,20 @@ def test_the_cache_keeps_no_manifest_alive(deltas: list[Path], parses: list[byte
     assert reader._parsed.get(digest) is None
     Delta.open(deltas[0])
     assert len(parses) == 2
+
+
+def test_a_stored_version_and_its_manifest_location_share_one_parse(
+    tmp_path: Path, deltas: list[Path], parses: list[bytes]
+) -> None:
+    """What a client opens from a store and what an engine worker in its process opens by the manifest's
+    location (``STORE/manifests/<digest>.json``): one parse."""
+    from dcr_cli.store import push
+    from dcr_cli.store.transfer import open_version
+
+    store = str(tmp_path / "store")
+    push(deltas[0], store)
+    parses.clear()  # (the push reads the delta)
+    opened = open_version(store, "v1")
+    again = Delta.open(opened.url)
+    assert again.manifest is opened.manifest and again.id == opened.id
+    assert len(parses) == 1

@@ -123,7 +123,7 @@ class Delta:
         digest = digest_bytes(raw)
         if expected is not None and digest != expected:
             raise IntegrityError(f"{location}: the manifest's bytes do not have the digest its name says (corrupt)")
-        manifest = _parse_once(raw, digest)
+        manifest = parse_manifest_once(raw, digest)
         in_store = _STORE_MANIFEST.fullmatch(location.rstrip("/")) if store is not None else None
         if in_store is not None:
             # A missing repair block is then told apart as the store would (not ready / lost, store-v1 §4.1).
@@ -445,9 +445,10 @@ def _read_manifest(source: BlockSource, path: str) -> bytes:
 DeltaLike = str | os.PathLike[str] | Delta
 
 
-def _parse_once(raw: bytes, digest: str) -> Manifest:
-    """``parse_manifest(raw)``, or the manifest parsed from the same bytes (``digest``) that this process
-    still holds: the same bytes parse to the same manifest, and nothing mutates a parsed one."""
+def parse_manifest_once(raw: bytes, digest: str) -> Manifest:
+    """``parse_manifest(raw)``, or the manifest parsed from the same bytes that this process still holds:
+    the same bytes parse to the same manifest, and nothing mutates a parsed one. ``digest`` MUST be the
+    BLAKE3 of ``raw``, computed or checked by the caller (``Delta.open``; a store's ``manifest_bytes``)."""
     with _parsed_lock:
         manifest = _parsed.get(digest)
     if manifest is None:

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from .._version import __version__
 from ..delta.prefetch import BlockFetcher, MissingBlock
-from ..delta.reader import STORE_MANIFESTS, Delta
+from ..delta.reader import STORE_MANIFESTS, Delta, parse_manifest_once
 from ..delta.source import CHUNK_BYTES, BlockSource
 from ..errors import ConflictError, DcrError, IncompatibleError, IntegrityError, NotReadyError
 from ..format.digest import StreamingDigest, digest_bytes
@@ -938,9 +938,8 @@ def open_record(store: Store, record: VersionRecord, label: str, *, shortcut: bo
     """The Delta a version record (or, with ``shortcut``, a shortcut's record) describes, reading its blocks
     from ``store``. A torn item whose repair block is absent is refused as not ready (exit 4) while the
     version's push may still upload it, as lost (exit 2) once it is complete (a shortcut always is)."""
-    raw = store.manifest_bytes(record, shortcut=shortcut)
-    with no_collections():  # see Delta.open
-        manifest = parse_manifest(raw)
+    raw = store.manifest_bytes(record, shortcut=shortcut)  # (checked: its digest is the record's)
+    manifest = parse_manifest_once(raw, record.manifest)  # (one parse per process, as Delta.open's)
     if (manifest.target.fingerprint, manifest.base.fingerprint) != (record.target.fingerprint, record.base.fingerprint):
         raise IntegrityError(
             f"{store.url}: manifest of {record_name(record, shortcut)} does not match its record; "
