@@ -234,4 +234,27 @@ def test_an_in_process_apply_parses_the_manifest_once_and_keeps_none_of_it(qwen3
     assert gc.get_threshold() == vllms
     gc.collect()
     assert reader._parsed.get(digest_bytes((d1 / MANIFEST_NAME).read_bytes())) is None
+
+    # The next step, from the client's own open: no collection runs until the client has released the
+    # engine (each would walk the parsed manifest, or the staged delta).
+    from dcr_cli.receive.vllm import client
+
+    events: list[str] = []
+    real_release = client._release
+    monkeypatch.setattr(client, "_release", lambda engine: (events.append("release"), real_release(engine)))
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            events.append(f"collection {info['generation']}")
+
+    gc.collect()
+    gc.set_threshold(50, 10, 10)  # (this tiny model's manifest makes fewer objects than vLLM's 700)
+    gc.callbacks.append(seen)
+    try:
+        assert apply_to_llm(llm, qwen3[0].parent / "d2")["status"] == "applied"
+    finally:
+        gc.callbacks.remove(seen)
+        assert gc.get_threshold() == (50, 10, 10)
+        gc.set_threshold(*vllms)
+    assert events[0] == "release", events
     verify_llm(llm)

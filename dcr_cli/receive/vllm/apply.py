@@ -322,8 +322,9 @@ class EngineReceiver:
         self._flats: dict[str, torch.Tensor] = {}
         self._flat_uints: dict[str, np.ndarray | None] = {}
         self._traced: tuple[dict[str, TensorEntry], dict[str, int | None]] | None = None
-        # _aliased's last answer and the placements it was computed from (a function of them alone).
-        self._aliased_memo: tuple[list[tuple[str, Placement | None]], set[str]] | None = None
+        # _aliased's last answer, with the table and the placement epoch it was computed for (a function of
+        # the table's tensors' placements alone: the same tensors at the same epoch, the same answer).
+        self._aliased_memo: tuple[dict[str, TensorEntry], int, set[str]] | None = None
         # Items decoded and located by the check pass, for the write pass (bounded by PREPARED_BYTES).
         self._prepared: dict[int, Prepared] = {}
         self._prepared_bytes = 0
@@ -340,21 +341,18 @@ class EngineReceiver:
         self._held: tuple[str, dict[str, TensorEntry]] | None = None  # (fingerprint, table) last reached
         # The manifest and base table check_untouched last passed (identical objects: the same answer).
         self._untouched_checked: tuple[Manifest, dict[str, TensorEntry]] | None = None
-        # _aliased's last answer for a table and placement epoch (the pause after prepare: one lookup).
-        self._aliased_fast: tuple[dict[str, TensorEntry], int, set[str]] | None = None
         # The items of the last manifest by tensor (_grouped), and that manifest: prepare, the pause's
         # passes and the proof each walk them, and an MoE manifest has tens of thousands.
         self._grouped_memo: tuple[Manifest, list[tuple[str, list[tuple[int, Item]]]]] | None = None
         # The last manifest whose tensor table matched its fingerprint (check_table), kept so that the
         # pause does not hash the table again for the delta that prepare checked.
         self._table_checked: Manifest | None = None
-        # Bumped whenever a placement is traced (replaced): what is computed from placements keys on it.
+        # Bumped whenever ``_placements`` changes (a placement traced or replaced): what is computed from
+        # placements keys on it.
         self._placement_epoch = 0
         # The tensors of a table grouped by the parameters they write (_storage_groups), largest group
-        # first, with the table and the placement epoch it was computed for, and the placements themselves.
-        self._groups_memo: (
-            tuple[dict[str, TensorEntry], int, list[list[str]], dict[str, int], list[tuple[str, Placement]]] | None
-        ) = None
+        # first, and each tensor's group, with the table and the placement epoch they were computed for.
+        self._groups_memo: tuple[dict[str, TensorEntry], int, list[list[str]], dict[str, int]] | None = None
 
     def _grouped(self, delta: Delta) -> list[tuple[str, list[tuple[int, Item]]]]:
         memo = self._grouped_memo
@@ -791,24 +789,19 @@ class EngineReceiver:
         group first; computed once per table and placements (prepare), not in the pause. Placements
         must be current (``trace_all``)."""
         memo = self._groups_memo
-        if memo is not None and memo[0] is table and memo[1] == self._placement_epoch:
+        if memo is not None and memo[1] == self._placement_epoch and _same_tensors(memo[0], table):
+            # The same tensors, no placement traced since (every change to ``_placements`` bumps the epoch):
+            # the same placements, so the same groups (a steady refit's next delta, a new table of the same
+            # tensors; grouping 20k MoE tensors again costs ~0.1 s of each prepare).
+            if memo[0] is not table:
+                self._groups_memo = (table, *memo[1:])
             return memo[2]
-        of = [(n, self._placements[n]) for n in table]
-        if (
-            memo is not None
-            and len(memo[4]) == len(of)
-            and all(a == b and p is q for (a, p), (b, q) in zip(memo[4], of, strict=True))
-        ):
-            # The same placements (a steady refit's next delta, a new table of the same tensors): the
-            # same groups, as for _aliased; grouping 20k MoE tensors again costs ~0.1 s of each prepare.
-            self._groups_memo = (table, self._placement_epoch, memo[2], memo[3], of)
-            return memo[2]
-        placements = dict(of)
+        placements = {n: self._placements[n] for n in table}
         nbytes = {n: p.numel * p.dtype.itemsize for n, p in placements.items()}
         groups = _storage_groups({n: [d.param for d in p.destinations] for n, p in placements.items()})
         groups.sort(key=lambda g: -sum(nbytes[n] for n in g))
         at = {name: i for i, group in enumerate(groups) for name in group}
-        self._groups_memo = (table, self._placement_epoch, groups, at, of)
+        self._groups_memo = (table, self._placement_epoch, groups, at)
         return groups
 
     def _write_group_of(self, table: dict[str, TensorEntry]) -> dict[str, int]:
@@ -1362,18 +1355,14 @@ class EngineReceiver:
         sharing an element (the two transposed halves of stacked experts, a weight fused along dim 1)
         are not aliased. Conservative where that test runs out of its budget.
         """
-        fast = self._aliased_fast
-        if fast is not None and fast[0] is table and fast[1] == self._placement_epoch:
-            return set(fast[2])  # the same table, no placement traced since (the pause after prepare)
-        of = [(name, self._placements.get(name)) for name in table]
         memo = self._aliased_memo
-        if (
-            memo is not None
-            and len(memo[0]) == len(of)
-            and all(a == b and p is q for (a, p), (b, q) in zip(memo[0], of, strict=True))
-        ):
-            self._aliased_fast = (table, self._placement_epoch, set(memo[1]))
-            return set(memo[1])  # the same placements (a steady refit's next delta): the same answer
+        if memo is not None and memo[1] == self._placement_epoch and _same_tensors(memo[0], table):
+            # The same tensors and no placement traced since (the epoch): the same placements, the same
+            # answer (the pause after prepare; a steady refit's next delta, a new table of the same tensors).
+            if memo[0] is not table:
+                self._aliased_memo = (table, memo[1], memo[2])
+            return set(memo[2])
+        of = [(name, self._placements.get(name)) for name in table]
         # One storage can be reached under several parameter names (a parameter rebound onto another's
         # storage after one of them was traced names it differently in the two placements): destinations
         # are grouped by the storage each trace recorded (which _cached has just checked), not by name.
@@ -1404,8 +1393,7 @@ class EngineReceiver:
                     if other_size != size or strided_boxes_overlap(other_box, box):
                         aliased.update((name, other))
                 active.append((lo, hi, name, box, size))
-        self._aliased_memo = (of, set(aliased))
-        self._aliased_fast = (table, self._placement_epoch, set(aliased))
+        self._aliased_memo = (table, self._placement_epoch, set(aliased))
         return aliased
 
     def _agreed_aliased(self, table: dict[str, TensorEntry]) -> set[str]:
@@ -1889,6 +1877,11 @@ def _overlaid_digest(runs: list[tuple[Destination, np.ndarray]], kept: list[Prep
             scatter(held, index[a:b], values[a:b], base + lo)
             digest.update(held)
     return digest.hexdigest()
+
+
+def _same_tensors(a: dict[str, TensorEntry], b: dict[str, TensorEntry]) -> bool:
+    """Whether two tables name the same tensors (compared in C: a steady refit's next table has 20k)."""
+    return a is b or a.keys() == b.keys()
 
 
 def _joined(arrays: list[np.ndarray], dtype: type | np.dtype) -> np.ndarray:
