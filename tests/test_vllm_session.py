@@ -350,3 +350,27 @@ def test_real_engine_interrupted_client_retry_and_failed_finish(qwen3: list[Path
     del llm
     fresh = start_llm(qwen3[2])
     assert differing(got, resident_bits(fresh)) == []
+
+
+def test_the_caller_of_a_remote_engine_keeps_its_collector_an_in_process_one_defers_it() -> None:
+    """An engine in this process shares the client's heap: the client's parse of the manifest must not be
+    walked by collections during the apply. A remote engine's caller (a trainer, say) keeps its own."""
+    import gc
+
+    from dcr_cli.io.gc_pause import YOUNG
+
+    seen: list[int] = []
+
+    class Watching(FakeEngine):
+        def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
+            seen.append(gc.get_threshold()[0])
+            return super().rpc(op, **args)
+
+    before = gc.get_threshold()
+    assert apply_to_engine(Watching(), VECTOR)["status"] == "applied"
+    assert seen and YOUNG not in seen and gc.get_threshold() == before
+    seen.clear()
+    local = Watching()
+    local.in_process = True
+    assert apply_to_engine(local, VECTOR)["status"] == "applied"
+    assert seen and set(seen) == {YOUNG} and gc.get_threshold() == before

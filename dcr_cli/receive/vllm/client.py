@@ -18,6 +18,7 @@ or an fsspec URL such as s3://...).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -111,6 +112,7 @@ class Engine:
     """The steps of an apply, for either kind of engine."""
 
     token: str | None = None  # the claim this client holds (sent with every dcr_rpc request)
+    in_process = False  # the engine's workers run in this process (they share its heap and its GIL)
 
     def rpc(self, op: str, **args: Any) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -206,6 +208,8 @@ class ServerEngine(Engine):
 class InProcessEngine(Engine):
     """A ``vllm.LLM`` in this process, started with ``weight_transfer_config={"backend": "dcr"}``."""
 
+    in_process = True
+
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
@@ -259,10 +263,11 @@ def apply_chain_to_engine(
     The claim names the chain's last delta: no other client gets between two of its steps, and a
     re-run of the same chain takes an interrupted one's claim over. Returns one report per delta.
     """
-    # The collector's passes wait for the whole chain: the manifests this client parses are alive until
-    # its end (an engine in this process: a young pass over a 20k-item MoE manifest cost 25-50 ms of its
-    # GIL at the apply's start). When they resume, the deltas this client opened are gone.
-    with fewer_collections():
+    # With the engine in this process, the collector's passes wait for the whole chain: the manifests this
+    # client parses are alive until its end, and a young pass over a 20k-item MoE manifest cost the engine
+    # 25-50 ms of its GIL at the apply's start. (A remote engine's caller, a trainer say, keeps its own
+    # collector: deferring it there for minutes would only let its garbage pile up.)
+    with fewer_collections() if engine.in_process else contextlib.nullcontext():
         opened = [
             (delta_location(d), d if isinstance(d, Delta) else engine.open_delta(delta_location(d))) for d in deltas
         ]
