@@ -158,8 +158,7 @@ def test_a_steady_deltas_write_groups_are_reused_only_while_the_placements_are_t
     assert receiver.prepare(again) == "apply"
     assert receiver._write_groups(again.manifest.tensors) is first
     name = "e2"
-    receiver._placements[name] = dataclasses.replace(receiver._placements[name])
-    receiver._placement_epoch += 1  # (as every change to the placements does)
+    receiver._put_placements({name: dataclasses.replace(receiver._placements[name])})
     third = dataclasses.replace(delta, manifest=parse_manifest(delta.manifest.file_bytes()))
     receiver._begin()
     regrouped = receiver._write_groups(third.manifest.tensors)

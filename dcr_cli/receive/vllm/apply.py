@@ -428,10 +428,15 @@ class EngineReceiver:
         if cached is not None:
             return cached
         placement = trace_placement(self.model, name, entry.shape, TORCH_DTYPES[entry.dtype])
-        self._placements[name] = placement
-        self._placement_epoch += 1
+        self._put_placements({name: placement})
         self._traced = None  # (a placement replaced: trace_all checks each one again)
         return placement
+
+    def _put_placements(self, placements: dict[str, Placement]) -> None:
+        """The one way ``_placements`` changes: with the epoch that what is computed from them keys on
+        (``_write_groups``, ``_aliased``: the same epoch and tensors, the same placements)."""
+        self._placements.update(placements)
+        self._placement_epoch += 1
 
     def trace_all(self, table: dict[str, TensorEntry]) -> None:
         """Placements of every tensor of ``table`` not known yet: batches of them per loader call.
@@ -460,8 +465,7 @@ class EngineReceiver:
         else:
             missing = {n: (e.shape, TORCH_DTYPES[e.dtype]) for n, e in table.items() if self._cached(n, e) is None}
         if missing:
-            self._placements.update(trace_placements(self.model, missing))
-            self._placement_epoch += 1
+            self._put_placements(trace_placements(self.model, missing))
         self._traced = (table, storages)  # (tracing runs the loader on placeholders: no storage moves)
         self._all_valid = table
 
