@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
 import subprocess
 import sys
@@ -367,6 +368,88 @@ def test_a_push_to_s3_streams_large_blocks_as_multipart_uploads(
     assert result.uploaded_blocks == 1 and result.uploaded_bytes == block.size
     assert fs.cat_file(f"{s3_url.removeprefix('s3://')}/blocks/{block.id}") == good
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+class HoldFirstPart(CountingProxy):
+    """Holds back the first part of a multipart upload until a request for another part of it has arrived
+    (at most ``patience`` seconds): an uploader that sends its parts one after the other cannot pass it
+    without the wait running out."""
+
+    _PART = re.compile(rb"^PUT [^ ]*[?&]partNumber=(\d+)[& ]")
+
+    def __init__(self, upstream: str, patience: float = 20.0) -> None:
+        self.another_part = threading.Event()
+        self.patience = patience
+        self.released_by_another_part: bool | None = None
+        super().__init__(upstream)
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        super().seen(data, upstream, state)
+        part = self._PART.match(data) if upstream else None
+        if part is not None and int(part.group(1)) > 1:
+            self.another_part.set()
+
+    def before_forwarding(self, data: bytes, upstream: bool) -> None:
+        part = self._PART.match(data) if upstream else None
+        if part is not None and int(part.group(1)) == 1:
+            self.released_by_another_part = self.another_part.wait(self.patience)
+
+
+def test_a_push_to_s3_sends_the_parts_of_one_block_at_once(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """Issue 12: one block's multipart upload has several parts on the wire at once, as pull reads several
+    ranges at once; each part is sent once, the object is the block's bytes, no upload is left open."""
+    from dcr_cli.store import push
+    from dcr_cli.store.backends import S3_PART_BYTES
+
+    local = one_big_block_delta(tmp_path, 40)
+    data = [b for b in Delta.open(local).manifest.blocks if b.role == "data"]
+    assert len(data) == 1 and data[0].size > 4 * S3_PART_BYTES
+    block = data[0]
+    proxy = HoldFirstPart(s3_endpoint.url)
+    try:
+        push(local, s3_url, storage_options={**s3_endpoint.storage_options, "endpoint_url": proxy.url})
+    finally:
+        proxy.close()
+    assert proxy.released_by_another_part is True  # part 1 was still held when another part's request came
+    key = f"{s3_url.removeprefix('s3://')}/blocks/{block.id}"
+    assert proxy.requests[("PUT", f"/{key}")] == -(-block.size // S3_PART_BYTES)  # each part once
+    fs = s3_endpoint.filesystem()
+    assert fs.cat_file(key) == Path(Delta.open(local).block_path(block)).read_bytes()
+    assert not fs.call_s3("list_multipart_uploads", Bucket=key.split("/")[0]).get("Uploads")
+
+
+def test_a_part_that_fails_aborts_the_whole_upload(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part refused by the store (not a transient error) while others are in flight: the multipart upload
+    is aborted once they end, the error reaches the caller, and nothing is published."""
+    import s3fs
+
+    from dcr_cli.store import Store, push
+
+    local = one_big_block_delta(tmp_path, 40)
+    (block,) = [b for b in Delta.open(local).manifest.blocks if b.role == "data"]
+    real = s3fs.S3FileSystem.call_s3
+    asked: list[int] = []
+
+    def refusing(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "upload_part":
+            asked.append(kwargs["PartNumber"])
+            if kwargs["PartNumber"] == 3:
+                raise PermissionError("part 3: access denied")
+        return real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", refusing)
+    with pytest.raises(Exception, match="access denied"):
+        push(local, s3_url, storage_options=s3_endpoint.storage_options)
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", real)
+    assert 3 in asked and max(asked) < -(-block.size // (8 << 20)) + 1
+    store = Store(s3_url, s3_endpoint.storage_options)
+    assert store.stat(f"blocks/{block.id}") is None and store.version("v1") is None
+    fs = s3_endpoint.filesystem()
+    assert not fs.call_s3("list_multipart_uploads", Bucket=s3_url.removeprefix("s3://").split("/")[0]).get("Uploads")
 
 
 def test_streamed_blocks_start_small_so_the_upload_starts_early(tmp_path: Path) -> None:

@@ -12,17 +12,20 @@ Capabilities:
   needs ``--allow-unsafe-publish``);
 * ``listing_times``: listings carry modification times (``dcr gc`` ages unreferenced objects by them);
 * ``local_files``: objects are files of this machine (writes go through a temporary name and rename);
-* ``streamed_writes``: ``put_chunks`` sends an object in parts as its chunks come (memory holds a part
-  or two, not the object), and publishes nothing if the chunks fail.
+* ``streamed_writes``: ``put_chunks`` sends an object in parts as its chunks come, several at once (memory
+  holds a few parts, not the object), and publishes nothing if the chunks fail.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import os
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
@@ -35,6 +38,9 @@ from ..io.reading import read_regular_file
 from ..io.retry import describe, transient_for
 
 S3_PART_BYTES = 8 << 20  # one part of a multipart upload (S3's minimum is 5 MiB)
+S3_PARTS_IN_FLIGHT = 4  # parts of one object uploaded at once
+# What one streamed upload holds in memory at most: the parts in flight, the part being cut, a chunk.
+S3_STREAM_HOLD_BYTES = (S3_PARTS_IN_FLIGHT + 2) * S3_PART_BYTES
 TMP_PREFIX = ".tmp-"  # local stores: objects being written; never a valid name of anything else
 
 
@@ -201,20 +207,69 @@ class S3Backend(Backend):
             raise
 
     def put_chunks(self, path: str, chunks: Iterable[bytes]) -> None:
-        """A multipart upload, one part per S3_PART_BYTES (one PUT if smaller): S3 shows the object only
-        once the upload is completed, after the last chunk; an error before that aborts the upload."""
-        f = self.fs.open(path, "wb", block_size=S3_PART_BYTES)
+        """A multipart upload of S3_PART_BYTES parts, S3_PARTS_IN_FLIGHT of them on the wire at once (one PUT
+        if the object is smaller than a part). S3 shows the object only once the upload is completed, after
+        the last chunk and every part; an error before that aborts the upload.
+
+        s3fs's own file object sends its parts one after the other over one connection, which holds one
+        block to what a single stream gets (a fraction of the link across regions); the download side
+        already reads its ranges in parallel (``delta/prefetch.py``).
+        """
+        parts = _parts_of(chunks, S3_PART_BYTES)
+        first = next(parts, b"")
+        second = next(parts, None)
+        if second is None:
+            self.put(path, first)
+            return
+        bucket, key, _ = self.fs.split_path(path)
+        upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+
+        def send(number: int, body: bytes) -> dict[str, Any]:
+            out = self.fs.call_s3(
+                "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+            )
+            header = {"PartNumber": number, "ETag": out["ETag"]}
+            if "ChecksumSHA256" in out:  # as s3fs's own uploads: the completion lists what the parts were given
+                header["ChecksumSHA256"] = out["ChecksumSHA256"]
+            return header
+
+        done: list[dict[str, Any]] = []
         try:
-            for chunk in chunks:
-                view = memoryview(chunk)
-                for lo in range(0, len(view), S3_PART_BYTES):  # the buffer never holds more than two parts
-                    f.write(view[lo : lo + S3_PART_BYTES])
-            f.close()  # completes the upload
+            with ThreadPoolExecutor(S3_PARTS_IN_FLIGHT, thread_name_prefix="dcr-s3-part") as pool:
+                flying: collections.deque[Future[dict[str, Any]]] = collections.deque()
+                try:
+                    for number, body in enumerate(itertools.chain((first, second), parts), start=1):
+                        if len(flying) == S3_PARTS_IN_FLIGHT:
+                            done.append(flying.popleft().result())
+                        flying.append(pool.submit(send, number, body))
+                    done.extend(f.result() for f in flying)
+                finally:
+                    for f in flying:
+                        f.cancel()
+            self.fs.call_s3(
+                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
+            )
         except BaseException:
             with contextlib.suppress(Exception):
-                f.discard()  # aborts the multipart upload: nothing becomes visible
-            f.closed = True  # discarded: its finaliser must not try to complete it
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             raise
+        self.fs.invalidate_cache(path)
+
+
+def _parts_of(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:
+    """The bytes of ``chunks`` cut into parts of exactly ``size`` bytes, the last one shorter (S3 asks every
+    part but the last to be at least 5 MiB); a chunk of exactly one part is passed on without a copy."""
+    pending = bytearray()
+    for chunk in chunks:
+        if not pending and len(chunk) == size:
+            yield bytes(chunk)
+            continue
+        pending += chunk
+        while len(pending) >= size:
+            yield bytes(pending[:size])
+            del pending[:size]
+    if pending:
+        yield bytes(pending)
 
 
 class GCSBackend(Backend):

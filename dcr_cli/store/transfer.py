@@ -41,7 +41,7 @@ from ..io.gc_pause import no_collections
 from ..io.pool import parallel
 from ..io.reading import open_regular
 from .announce import EarlyFetch, remove_announcements
-from .backends import S3_PART_BYTES
+from .backends import S3_PART_BYTES, S3_STREAM_HOLD_BYTES
 from .repo import (
     BLOCKS,
     CHILDREN,
@@ -65,7 +65,6 @@ Progress = Callable[[int], None]  # called with bytes transferred
 Total = Callable[[int], None]  # called once, before the transfer, with the bytes it will count
 DEFAULT_WORKERS = 8
 PUSH_BUDGET_BYTES = 128 << 20  # block bytes a push to an object store holds in memory at once, over all workers
-STREAM_HOLD_BYTES = 32 << 20  # what one streamed upload counts against that budget (a chunk, parts, copies)
 # A present block older than this is written again by push (format_spec/store-v1.md §4.1 step 4). It
 # must stay well below dcr gc's grace period (1 h by default) minus the longest push.
 REFRESH_S = 15 * 60.0
@@ -476,8 +475,8 @@ class _Uploader:
 
         if store.capabilities.local_files:  # streamed to a temporary file: one chunk in memory
             store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
-        elif store.capabilities.streamed_writes:  # a multipart upload: a chunk and a part or two in memory
-            with self.budget.hold(min(block.size, STREAM_HOLD_BYTES)):
+        elif store.capabilities.streamed_writes:  # a multipart upload: a chunk and the parts in flight in memory
+            with self.budget.hold(min(block.size, S3_STREAM_HOLD_BYTES)):
                 store.put_chunks(f"{BLOCKS}/{block.id}", chunks)
         else:
             with self.budget.hold(block.size):  # one PUT of the whole block
