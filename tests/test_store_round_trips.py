@@ -115,3 +115,70 @@ def test_diff_push_asks_about_the_head_once_and_publishes_in_three_rounds(
     # Absent before the diff and at the push: asked both times (what is absent is never taken as known).
     assert asked[("GET", "versions/v2.json")] == 2 and asked[("GET", "commits/v1.json")] == 2, asked
     assert asked[("PUT", "versions/v2.json")] == 1 and asked[("PUT", "children/v1/v2")] == 1, asked
+
+
+class Questions(CountingProxy):
+    """Notes every request (its line and whether it waits for a go-ahead: ``Expect: 100-continue``) and holds
+    back the first request for ``held`` until a request for each of ``along`` arrived (at most ``patience``
+    seconds): a client that asks them one after the other cannot pass it without the wait running out."""
+
+    def __init__(self, upstream: str, held: str, along: list[str], patience: float = 10.0) -> None:
+        self.lines: list[tuple[str, str, bool]] = []  # (method, key, waits for 100 Continue)
+        self.held, self.along, self.patience = held, set(along), patience
+        self.all_arrived = threading.Event()
+        self.released_by_the_others: bool | None = None
+        self.holding = False
+        super().__init__(upstream)
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        super().seen(data, upstream, state)
+        if upstream:
+            for method, path in self._REQUEST.findall(data):
+                self.lines.append((method.decode(), path.decode(), b"\r\nexpect: 100-continue" in data.lower()))
+                self.along.discard(path.decode())
+            if not self.along:
+                self.all_arrived.set()
+
+    def before_forwarding(self, data: bytes, upstream: bool) -> None:
+        if not (upstream and f" {self.held} ".encode() in data.split(b"\r\n")[0]):
+            return
+        with self.lock:
+            first, self.holding = not self.holding, True
+        if first:  # only the first request for it (a client that gave up on it may ask again meanwhile)
+            self.released_by_the_others = self.all_arrived.wait(self.patience)
+
+
+def test_a_push_asks_its_first_questions_at_once_and_each_in_one_request(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """Across regions each question asked in sequence costs a round trip before the upload starts: the
+    store marker, the version's record, the base's records and the blocks go out together. Each one is a
+    single request: a record is one GET (no HEAD for its size first), an absent block one HEAD (no listing
+    after it), and no PUT waits for the store's go-ahead (``Expect: 100-continue``) before its body."""
+    from dcr_cli.delta.reader import Delta
+
+    _, (d1, d2) = make_deltas(tmp_path, 2)
+    opts = s3_endpoint.storage_options
+    push(d1, s3_url, storage_options=opts)
+    acknowledge(s3_url, "v1", "r0", storage_options=opts)
+    commit(s3_url, "v1", receivers=["r0"], storage_options=opts)
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    root = f"/{bucket}/{prefix}"
+    data = [b.id for b in Delta.open(d2).manifest.blocks if b.role == "data"]
+    along = [f"{root}/versions/v2.json", f"{root}/commits/v1.json", *(f"{root}/blocks/{b}" for b in data)]
+    proxy = Questions(s3_endpoint.url, held=f"{root}/dcr-store.json", along=along)
+    through = {**opts, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        push(d2, s3_url, storage_options=through)
+        acknowledge(s3_url, "v2", "r0", storage_options=through)
+        commit(s3_url, "v2", receivers=["r0"], storage_options=through)
+    finally:
+        proxy.close()
+    assert proxy.released_by_the_others is True, proxy.lines[:8]  # the marker was held until the rest arrived
+    assert status(s3_url, storage_options=opts)["head"]["version"] == "v2"
+    assert not [line for line in proxy.lines if line[2]], "a PUT waited a round trip for 100 Continue"
+    heads = [key for method, key, _ in proxy.lines if method == "HEAD"]
+    assert heads and all(key.startswith(f"{root}/blocks/") for key in heads), heads  # records: one GET each
+    published = next(i for i, (m, key, _) in enumerate(proxy.lines) if m == "PUT" and key.endswith("/versions/v2.json"))
+    listings = [line for line in proxy.lines[:published] if line[1] == f"/{bucket}"]
+    assert not listings, listings  # an absent block's HEAD is not followed by a listing

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import itertools
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -183,16 +185,48 @@ class MemoryBackend(Backend):
 
 
 class S3Backend(Backend):
-    """s3fs: conditional PUT with ``If-None-Match: *`` (``pipe_file(mode="create")``); HTTP 412 means taken."""
+    """s3fs: conditional PUT with ``If-None-Match: *`` (``pipe_file(mode="create")``); HTTP 412 means taken.
+
+    Each question costs one round trip, which across regions is what a refit's publication, receivers and
+    commit wait on: a whole-object read is one GET (s3fs first asks for the size with a HEAD, to read large
+    objects in parallel; records are small), a question about an object one HEAD, and a write sends its
+    body with its headers (botocore asks the store's go-ahead first, ``Expect: 100-continue``, a round
+    trip for every PUT and part).
+    """
 
     protocols = ("s3", "s3a")
     package = "s3fs"
     capabilities = Capabilities(atomic_create="if-none-match", streamed_writes=True)
     time_keys = ("LastModified", "mtime")
 
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        super().__init__(fs)
+        takes = inspect.signature(type(fs)._cat_file).parameters  # type: ignore[attr-defined]
+        self._one_get = {"max_concurrency": 1} if "max_concurrency" in takes else {}
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        if start is None and end is None:
+            return bytes(self.fs.cat_file(path, **self._one_get))
+        return super().read(path, start, end)
+
+    def info(self, path: str) -> dict[str, Any] | None:
+        # One HEAD: s3fs follows a 404 with a listing, to tell a missing object from a "directory" (no
+        # object of dcr's is ever one), so every absent block a push asks about cost two round trips.
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            out = self.fs.call_s3("head_object", self.fs.kwargs, Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        return {"name": f"{bucket}/{key}", "type": "file", "size": out["ContentLength"], **out}
+
+    def put(self, path: str, data: bytes) -> None:
+        _send_bodies_at_once(self.fs)
+        super().put(path, data)
+
     def create(self, path: str, data: bytes) -> None:
         from botocore.exceptions import ClientError
 
+        _send_bodies_at_once(self.fs)
         try:
             self.fs.pipe_file(path, data, mode="create")
         except FileExistsError:
@@ -215,6 +249,7 @@ class S3Backend(Backend):
         block to what a single stream gets (a fraction of the link across regions); the download side
         already reads its ranges in parallel (``delta/prefetch.py``).
         """
+        _send_bodies_at_once(self.fs)
         parts = _parts_of(chunks, S3_PART_BYTES)
         first = next(parts, b"")
         second = next(parts, None)
@@ -254,6 +289,25 @@ class S3Backend(Backend):
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             raise
         self.fs.invalidate_cache(path)
+
+
+_PROMPT_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()  # s3fs clients whose PUTs no longer wait for a go-ahead
+_PROMPT_LOCK = threading.Lock()
+
+
+def _send_bodies_at_once(fs: Any) -> None:
+    """Drop botocore's ``Expect: 100-continue`` from this filesystem's client: a PUT then carries its body at
+    once instead of waiting a round trip for the store's ``100 Continue``. The wait only saves sending a
+    body the store refuses (a bad signature, a name taken); dcr's bodies are small records and 8 MiB
+    parts, for which the round trip costs more. A client s3fs makes anew (after its session closed) is
+    changed at its first write."""
+    from botocore.handlers import add_expect_header
+
+    client = fs.s3
+    with _PROMPT_LOCK:
+        if client not in _PROMPT_CLIENTS:
+            client.meta.events.unregister("before-call.s3", add_expect_header)
+            _PROMPT_CLIENTS.add(client)
 
 
 def _parts_of(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:

@@ -24,6 +24,7 @@ import builtins
 import contextlib
 import functools
 import json
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -273,6 +274,7 @@ class Store:
         self.root = root.rstrip("/") or root
         self.allow_unsafe_publish = allow_unsafe_publish
         self._marker: dict[str, Any] | None = None  # the marker is create-only and never changes: read once
+        self._marker_lock = threading.Lock()  # questions asked at once that each need the marker read it once
         # Version and commit records too are written create-only and never removed or rewritten
         # (§3): once found, each is kept, and a command asks for it once (an absent one is asked afresh).
         self._versions: dict[str, VersionRecord] = {}
@@ -417,9 +419,10 @@ class Store:
     def marker(self) -> dict[str, Any] | None:
         """The store marker; once found it is kept (store-v1: written create-only, never rewritten), which
         saves a commit or a push a round trip per question about the genesis."""
-        if self._marker is None:
-            self._marker = self.read_record(MARKER, STORE_FORMAT)
-        return self._marker
+        with self._marker_lock:
+            if self._marker is None:
+                self._marker = self.read_record(MARKER, STORE_FORMAT)
+            return self._marker
 
     def require_marker(self) -> dict[str, Any]:
         marker = self.marker()
@@ -497,10 +500,10 @@ class Store:
 
     def is_committed(self, version: str, fingerprint: str | None = None) -> bool:
         """Whether ``version`` is the genesis or a committed version (with ``fingerprint``: of that target)."""
-        genesis = self.genesis()
+        questions: builtins.list[Callable[[], Any]] = [self.genesis, functools.partial(self.version, version)]
+        genesis, record = parallel(questions, len(questions))  # one round trip, not two
         if version == genesis.version:
             return fingerprint in (None, genesis.fingerprint)
-        record = self.version(version)
         if record is None or fingerprint not in (None, record.target.fingerprint):
             return False
         commit = self.commit_on(record.base.version)

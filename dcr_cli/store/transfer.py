@@ -244,35 +244,42 @@ def push(
         store = Store(url, storage_options, allow_unsafe_publish=allow_unsafe_publish)
     store.allow_unsafe_publish = allow_unsafe_publish
     store.require_atomic_publish()
-    genesis = store.init(Ref(manifest.base.version, manifest.base.fingerprint))
+    data_blocks, repair_blocks = split_roles(manifest)
+    if on_total is not None:
+        on_total(sum(b.size for b in data_blocks + repair_blocks))
+    limiter = RateLimit(limit_rate) if limit_rate else None
+    uploader = _Uploader(store, source, workers, limiter, progress)
+
+    # The questions that do not depend on each other go out at once, before anything is written: one
+    # round trip, not four in sequence, on the producer's critical path (each one across regions).
+    base_ref = Ref(manifest.base.version, manifest.base.fingerprint)
+    first: list[Callable[[], Any]] = [
+        store.marker,
+        functools.partial(_version_and_is_head, store, version, base_ref),
+        functools.partial(uploader.ask, data_blocks, fresh=None if verify_remote else fresh),
+    ]
+    _, (existing, is_head), found = parallel(first, len(first))
+    genesis = store.init(base_ref)  # asks nothing more where the marker was found
     if version == genesis.version:
         # commits/<genesis>.json would name a version whose own commit record is itself: the chain would loop.
         raise ConflictError(
             f"{url}: {version!r} is the label of the store's genesis state; label this delta differently "
             "(dcr diff --target-version)"
         )
-    data_blocks, repair_blocks = split_roles(manifest)
-    if on_total is not None:
-        on_total(sum(b.size for b in data_blocks + repair_blocks))
-
-    existing, base = _version_and_head(store, version, Ref(manifest.base.version, manifest.base.fingerprint))
-    if existing is not None and existing.manifest != source.id:
-        raise ConflictError(
-            f"{url}: version {version!r} is already published with a different delta (manifest "
-            f"{existing.manifest[:16]}…); label this delta differently (dcr diff --target-version)"
-        )
-    if existing is not None:
+    if existing is not None:  # a re-run: nothing more is asked about the head
+        if existing.manifest != source.id:
+            raise ConflictError(
+                f"{url}: version {version!r} is already published with a different delta (manifest "
+                f"{existing.manifest[:16]}…); label this delta differently (dcr diff --target-version)"
+            )
         base = existing.base
-    elif manifest.base.fingerprint != base.fingerprint:
-        raise _not_the_head(url, manifest.base.version, base)
-
-    limiter = RateLimit(limit_rate) if limit_rate else None
-    uploader = _Uploader(store, source, workers, limiter, progress)
+    else:
+        base = base_ref if is_head else store.head()  # a store just created: its genesis
+        if manifest.base.fingerprint != base.fingerprint:
+            raise _not_the_head(url, manifest.base.version, base)
 
     # -- data blocks, manifest, record: after these the version is visible
-    missing, kept, refreshed = uploader.plan(
-        data_blocks, verify_remote, refresh=existing is None, fresh=None if verify_remote else fresh
-    )
+    missing, kept, refreshed = uploader.plan(data_blocks, verify_remote, refresh=existing is None, found=found)
     uploader.upload(missing)
     uploader.upload(refreshed, counted=True)  # progress was counted with the present blocks
 
@@ -376,26 +383,27 @@ def check_push_base(store: Store, base: Ref, target_version: str) -> None:
     now (``dcr diff --push``, before the diff and before any block is uploaded): a base that is not
     the store's committed head, unless the version is published already (a re-run: ``push`` then
     compares the deltas themselves). Reads only; a store that does not exist yet takes any base."""
-    if store.marker() is None:
+    questions: list[Callable[[], Any]] = [
+        store.marker,
+        functools.partial(_version_and_is_head, store, target_version, base),
+    ]
+    marker, (existing, is_head) = parallel(questions, len(questions))
+    if marker is None or existing is not None or is_head:
         return
-    existing, head = _version_and_head(store, target_version, base)
-    if existing is None and base.fingerprint != head.fingerprint:
+    head = store.head()
+    if base.fingerprint != head.fingerprint:
         raise _not_the_head(store.url, base.version, head)
 
 
-def _version_and_head(store: Store, version: str, base: Ref) -> tuple[VersionRecord | None, Ref]:
-    """The record of ``version`` if published, with its base (a re-run asks nothing about the head); else
-    None and the committed head: ``base`` itself if it is the head under that label (asked together
-    with the record: one round trip where the records of ``base`` are known), else the head found by
-    walking the chain."""
+def _version_and_is_head(store: Store, version: str, base: Ref) -> tuple[VersionRecord | None, bool]:
+    """The record of ``version`` (None: not published) and whether ``base`` is the committed head under that
+    label, asked together (False also where the store has no marker yet)."""
     questions: list[Callable[[], Any]] = [
         functools.partial(store.version, version),
         functools.partial(store.is_head, base),
     ]
     existing, is_head = parallel(questions, len(questions))
-    if existing is not None:
-        return existing, existing.base
-    return None, (base if is_head else store.head())
+    return existing, bool(is_head)
 
 
 def _upload_repairs(
@@ -432,21 +440,29 @@ class _Uploader:
         # Streamed uploads read the delta in parts: memory holds a part being read, one buffered and one sent.
         self.chunk_bytes = S3_PART_BYTES if store.capabilities.streamed_writes else CHUNK_BYTES
 
+    def ask(self, blocks: list[BlockEntry], fresh: Mapping[str, int] | None = None) -> dict[str, Listing | None]:
+        """What the store holds of these blocks; those in ``fresh`` (id -> size, just written by the caller)
+        count as present and young unasked."""
+        known = {b.id for b in blocks if fresh is not None and fresh.get(b.id) == b.size}
+        asked = [b for b in blocks if b.id not in known]
+        found: dict[str, Listing | None] = stat_blocks(self.store, asked, self.workers)
+        now = time.time()
+        found.update((b.id, Listing(b.id, b.size, now)) for b in blocks if b.id in known)
+        return found
+
     def plan(
         self,
         blocks: list[BlockEntry],
         verify_remote: bool,
         *,
         refresh: bool,
-        fresh: Mapping[str, int] | None = None,
+        found: dict[str, Listing | None] | None = None,
     ) -> tuple[list[BlockEntry], list[BlockEntry], list[BlockEntry]]:
         """(absent or wrong: upload, present: keep, present but old: write again) for these blocks (§4.1 step 4);
-        blocks in ``fresh`` (id -> size, just written by the caller) count as present and young unasked."""
-        known = {b.id for b in blocks if fresh is not None and fresh.get(b.id) == b.size}
-        asked = [b for b in blocks if b.id not in known]
-        found: dict[str, Listing | None] = stat_blocks(self.store, asked, self.workers)
-        now = time.time()
-        found.update((b.id, Listing(b.id, b.size, now)) for b in blocks if b.id in known)
+        ``found``: what ``ask`` said of them (asked here if not given)."""
+        if found is None:
+            found = self.ask(blocks)
+        now = time.time()  # no earlier than the answers: a block is taken as old no later than it is
         missing = [b for b in blocks if (e := found[b.id]) is None or e.size != b.size]
         if verify_remote:
             missing += _corrupt_on_store(self.store, [b for b in blocks if b not in missing], self.workers)
