@@ -420,6 +420,59 @@ def test_a_push_to_s3_sends_the_parts_of_one_block_at_once(
     assert not fs.call_s3("list_multipart_uploads", Bucket=key.split("/")[0]).get("Uploads")
 
 
+def test_a_streamed_upload_holds_no_more_than_it_counts_against_the_push_budget() -> None:
+    """The parts in flight, the one being cut and a chunk: S3_STREAM_HOLD_BYTES, which the push's byte budget
+    counts per streamed upload; nothing keeps a part once it is sent. The parts are completed in order,
+    each with its own ETag. (A client whose parts each take 20 ms, in this process, traced by tracemalloc.)"""
+    import os
+    import tracemalloc
+    import types
+
+    from dcr_cli.store import backends
+
+    part = backends.S3_PART_BYTES
+
+    class Client:
+        meta = types.SimpleNamespace(events=types.SimpleNamespace(unregister=lambda *a: None))
+
+    class SlowParts:
+        def __init__(self) -> None:
+            self.s3 = Client()
+            self.completed: list[dict[str, Any]] = []
+
+        def split_path(self, path: str) -> tuple[str, str, None]:
+            bucket, key = path.split("/", 1)
+            return bucket, key, None
+
+        def invalidate_cache(self, path: str) -> None:
+            pass
+
+        def call_s3(self, method: str, *args: Any, **kw: Any) -> dict[str, Any]:
+            if method == "create_multipart_upload":
+                return {"UploadId": "u"}
+            if method == "upload_part":
+                time.sleep(0.02)
+                return {"ETag": f"etag-{kw['PartNumber']}-{len(kw['Body'])}"}
+            if method == "complete_multipart_upload":
+                self.completed = kw["MultipartUpload"]["Parts"]
+                return {}
+            raise AssertionError(method)
+
+    def chunks() -> Any:
+        for _ in range(16):
+            yield os.urandom(16) * (part // 16)  # a fresh part-sized chunk each time, as a block's reader yields
+
+    fs = SlowParts()
+    tracemalloc.start()
+    try:
+        backends.S3Backend(fs).put_chunks("bucket/key", chunks())  # type: ignore[arg-type]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert fs.completed == [{"PartNumber": n, "ETag": f"etag-{n}-{part}"} for n in range(1, 17)]
+    assert peak <= backends.S3_STREAM_HOLD_BYTES + (1 << 20), f"{peak / 2**20:.1f} MiB held"
+
+
 def test_a_part_that_fails_aborts_the_whole_upload(
     s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -182,3 +182,47 @@ def test_a_push_asks_its_first_questions_at_once_and_each_in_one_request(
     published = next(i for i, (m, key, _) in enumerate(proxy.lines) if m == "PUT" and key.endswith("/versions/v2.json"))
     listings = [line for line in proxy.lines[:published] if line[1] == f"/{bucket}"]
     assert not listings, listings  # an absent block's HEAD is not followed by a listing
+
+
+def test_a_receiver_opens_a_stored_version_in_three_requests(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """``dcr apply STORE --version V`` (no --wait): the marker is read once, as the store check and as the
+    marker (one GET, not a HEAD then a GET), then the version's record, then its manifest."""
+    from dcr_cli.store import open_delta
+
+    _, (d1, _) = make_deltas(tmp_path, 2)
+    push(d1, s3_url, storage_options=s3_endpoint.storage_options)
+    proxy = CountingProxy(s3_endpoint.url)
+    through = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        delta = open_delta(s3_url, "v1", storage_options=through)
+    finally:
+        proxy.close()
+    assert delta.manifest.target.version == "v1"
+    assert _asked(proxy, s3_url, {}) == {
+        ("GET", "dcr-store.json"): 1,
+        ("GET", "versions/v1.json"): 1,
+        ("GET", f"manifests/{delta.id}.json"): 1,
+    }
+
+
+def test_the_genesis_is_committed_whatever_a_record_under_its_label_holds(tmp_path: Path) -> None:
+    """Asked together with the marker, a record named like the genesis (which no push writes) is not used:
+    damaged, it changes nothing; any other version's damaged record is refused as before."""
+    import pytest
+
+    from dcr_cli.errors import DcrError
+    from dcr_cli.store import Store
+
+    _, (d1, _) = make_deltas(tmp_path, 2)
+    url = str(tmp_path / "store")
+    push(d1, url)
+    (tmp_path / "store" / "versions" / "v0.json").write_text("{not json")
+    assert Store(url).is_committed("v0") is True  # the marker not known yet: asked together
+    warm = Store(url)
+    warm.marker()
+    assert warm.is_committed("v0") is True  # the marker known: the record is not asked
+    (tmp_path / "store" / "versions" / "v1.json").write_text("{not json")
+    with pytest.raises(DcrError):
+        Store(url).is_committed("v1")

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
-import itertools
 import os
 import threading
 import uuid
@@ -119,7 +117,10 @@ class LocalBackend(Backend):
     time_keys = ("mtime",)
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        return read_regular_file(path, start, end)
+        try:
+            return read_regular_file(path, start, end)
+        except NotADirectoryError:  # a name under a file (x.json/dcr-store.json): no such object, as info says
+            raise FileNotFoundError(path) from None
 
     def put(self, path: str, data: bytes) -> None:
         self._publish(path, data)
@@ -188,26 +189,15 @@ class S3Backend(Backend):
     """s3fs: conditional PUT with ``If-None-Match: *`` (``pipe_file(mode="create")``); HTTP 412 means taken.
 
     Each question costs one round trip, which across regions is what a refit's publication, receivers and
-    commit wait on: a whole-object read is one GET (s3fs first asks for the size with a HEAD, to read large
-    objects in parallel; records are small), a question about an object one HEAD, and a write sends its
-    body with its headers (botocore asks the store's go-ahead first, ``Expect: 100-continue``, a round
-    trip for every PUT and part).
+    commit wait on: a question about an object is one HEAD, and a write sends its body with its headers
+    (botocore asks the store's go-ahead first, ``Expect: 100-continue``, a round trip for every PUT and
+    part). Reads are one ranged GET each (``Store.read`` bounds every read, so s3fs asks no size first).
     """
 
     protocols = ("s3", "s3a")
     package = "s3fs"
     capabilities = Capabilities(atomic_create="if-none-match", streamed_writes=True)
     time_keys = ("LastModified", "mtime")
-
-    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
-        super().__init__(fs)
-        takes = inspect.signature(type(fs)._cat_file).parameters  # type: ignore[attr-defined]
-        self._one_get = {"max_concurrency": 1} if "max_concurrency" in takes else {}
-
-    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        if start is None and end is None:
-            return bytes(self.fs.cat_file(path, **self._one_get))
-        return super().read(path, start, end)
 
     def info(self, path: str) -> dict[str, Any] | None:
         # One HEAD: s3fs follows a 404 with a listing, to tell a missing object from a "directory" (no
@@ -268,12 +258,21 @@ class S3Backend(Backend):
                 header["ChecksumSHA256"] = out["ChecksumSHA256"]
             return header
 
+        # The first two parts are handed on from a queue, not a tuple that would keep them for the whole upload.
+        ahead = collections.deque((first, second))
+        del first, second
+
+        def bodies() -> Iterator[bytes]:
+            while ahead:
+                yield ahead.popleft()
+            yield from parts
+
         done: list[dict[str, Any]] = []
         try:
             with ThreadPoolExecutor(S3_PARTS_IN_FLIGHT, thread_name_prefix="dcr-s3-part") as pool:
                 flying: collections.deque[Future[dict[str, Any]]] = collections.deque()
                 try:
-                    for number, body in enumerate(itertools.chain((first, second), parts), start=1):
+                    for number, body in enumerate(bodies(), start=1):
                         if len(flying) == S3_PARTS_IN_FLIGHT:
                             done.append(flying.popleft().result())
                         flying.append(pool.submit(send, number, body))

@@ -500,10 +500,26 @@ class Store:
 
     def is_committed(self, version: str, fingerprint: str | None = None) -> bool:
         """Whether ``version`` is the genesis or a committed version (with ``fingerprint``: of that target)."""
-        questions: builtins.list[Callable[[], Any]] = [self.genesis, functools.partial(self.version, version)]
-        genesis, record = parallel(questions, len(questions))  # one round trip, not two
-        if version == genesis.version:
-            return fingerprint in (None, genesis.fingerprint)
+        if self._marker is not None:
+            genesis = self.genesis()
+            if version == genesis.version:
+                return fingerprint in (None, genesis.fingerprint)
+            record = self.version(version)
+        else:  # the marker and the record asked together: one round trip, not two
+
+            def record_or_error() -> VersionRecord | DcrError | None:
+                try:
+                    return self.version(version)
+                except DcrError as exc:  # raised only if the record is needed: the genesis has none
+                    return exc
+
+            questions: builtins.list[Callable[[], Any]] = [self.genesis, record_or_error]
+            genesis, answer = parallel(questions, len(questions))
+            if version == genesis.version:
+                return fingerprint in (None, genesis.fingerprint)
+            if isinstance(answer, DcrError):
+                raise answer
+            record = answer
         if record is None or fingerprint not in (None, record.target.fingerprint):
             return False
         commit = self.commit_on(record.base.version)

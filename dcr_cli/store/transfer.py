@@ -903,6 +903,7 @@ def open_version(
     wait: float | None = None,
     on_wait: Callable[[str], None] | None = None,
     early_fetch: bool = False,
+    store: Store | None = None,
 ) -> Delta:
     """Open a stored version as a Delta that reads its blocks straight from the store.
 
@@ -913,9 +914,10 @@ def open_version(
     before its producer publishes); NotReadyError (exit 4) if they are not there by then. ``on_wait`` is
     told what it waits for, once, when it starts waiting. ``early_fetch`` (with ``wait``): meanwhile fetch
     the data blocks the version's push announces (store/announce.py), for a receiver that reads every
-    block itself; the Delta then reads them from there.
+    block itself; the Delta then reads them from there. ``store``: the Store of ``url`` the caller opened.
     """
-    store = Store(url, storage_options)
+    if store is None or store.url != url:
+        store = Store(url, storage_options)
     if wait is not None:
         if version is None:
             raise DcrError("--wait needs --version: the version to wait for")
@@ -996,9 +998,16 @@ def open_delta(
 
     ``wait`` (with a version): the location is a store, maybe not created yet; wait for the version
     (``early_fetch``: as in :func:`open_version`)."""
-    if wait is not None or is_store(location, storage_options):
+    store = None if wait is not None else store_at(location, storage_options)
+    if wait is not None or store is not None:
         return open_version(
-            location, version, storage_options=storage_options, wait=wait, on_wait=on_wait, early_fetch=early_fetch
+            location,
+            version,
+            storage_options=storage_options,
+            wait=wait,
+            on_wait=on_wait,
+            early_fetch=early_fetch,
+            store=store,
         )
     if version is not None:
         raise DcrError(f"{location} is a delta, not a store: --version does not apply")
@@ -1007,5 +1016,11 @@ def open_delta(
 
 
 def is_store(location: str, storage_options: dict[str, Any] | None = None) -> bool:
+    return store_at(location, storage_options) is not None
+
+
+def store_at(location: str, storage_options: dict[str, Any] | None = None) -> Store | None:
+    """The store at ``location``, its marker read and kept (so opening a version there asks for it no more:
+    one round trip, not a HEAD then a GET), or None where there is no store marker (a delta directory)."""
     store = Store(location, storage_options)
-    return store.exists("dcr-store.json")
+    return store if store.marker() is not None else None
