@@ -13,8 +13,11 @@ chain from ``latest.json`` when the delta's base is the head.
 
 from __future__ import annotations
 
+import contextlib
+import socket as socket_module
 import threading
 from pathlib import Path
+from typing import Any
 
 from store_fixtures import CountingProxy, S3Endpoint, diff_args, make_deltas, run_dcr
 
@@ -226,3 +229,68 @@ def test_the_genesis_is_committed_whatever_a_record_under_its_label_holds(tmp_pa
     (tmp_path / "store" / "versions" / "v1.json").write_text("{not json")
     with pytest.raises(DcrError):
         Store(url).is_committed("v1")
+
+
+class Unreachable(CountingProxy):
+    """Drops the connection of every GET of ``key`` without an answer (a store, or a route to it, that is
+    down), forwarding the rest."""
+
+    def __init__(self, upstream: str, key: str) -> None:
+        self.key = key.encode()
+        self.dropped = 0
+        super().__init__(upstream)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            up = socket_module.create_connection(self.upstream)
+            threading.Thread(target=self._answer, args=(conn, up), daemon=True).start()
+
+    def _answer(self, conn: Any, up: Any) -> None:
+        state = [""]
+        threading.Thread(target=self._pump, args=(up, conn, state, False), daemon=True).start()
+        try:
+            while data := conn.recv(1 << 16):
+                if data.startswith(b"GET ") and self.key in data.split(b"\r\n", 1)[0]:
+                    with self.lock:
+                        self.dropped += 1
+                    break
+                up.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (conn, up):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket_module.SHUT_RDWR)
+                    s.close()
+
+
+def test_a_record_that_keeps_failing_is_asked_once_per_retry_not_five_times_that(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A store that drops every request for a record: each of dcr's attempts asks as often as the S3 client
+    retries (s3fs's retries of one call, botocore's own set to one here), not that many times over again
+    (s3fs's ``cat_file`` retries its own retried call), so the error comes in seconds rather than minutes."""
+    import pytest
+
+    from dcr_cli.errors import DcrError
+    from dcr_cli.store import Store
+
+    _, (d1, _) = make_deltas(tmp_path, 2)
+    push(d1, s3_url, storage_options=s3_endpoint.storage_options)
+    monkeypatch.setenv("DCR_STORE_ATTEMPTS", "1")
+    proxy = Unreachable(s3_endpoint.url, "/versions/v1.json")
+    one_try = {"retries": {"total_max_attempts": 1, "mode": "legacy"}}  # botocore asks once per s3fs try
+    through = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        store = Store(s3_url, {**through, "config_kwargs": one_try})
+        assert store.marker() is not None  # the rest of the store answers
+        with pytest.raises(DcrError, match=r"versions/v1\.json"):
+            store.version("v1")
+    finally:
+        proxy.close()
+    retries = store.fs.retries  # s3fs's own retries of one call; its HTTP client tries a dropped connection twice
+    assert 1 <= proxy.dropped <= 2 * retries, proxy.dropped  # (before: 5 x that, s3fs's loop around its loop)

@@ -1021,6 +1021,9 @@ def is_store(location: str, storage_options: dict[str, Any] | None = None) -> bo
 
 def store_at(location: str, storage_options: dict[str, Any] | None = None) -> Store | None:
     """The store at ``location``, its marker read and kept (so opening a version there asks for it no more:
-    one round trip, not a HEAD then a GET), or None where there is no store marker (a delta directory)."""
+    one round trip, not a HEAD then a GET), or None where there is no store marker (a delta directory).
+    A marker that cannot be read or parsed raises, as opening the store would."""
     store = Store(location, storage_options)
+    if store.capabilities.local_files and not os.path.isdir(store.path()):
+        return None  # a file (a delta's manifest, say) or nothing: no marker can be under it
     return store if store.marker() is not None else None
