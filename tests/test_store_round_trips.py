@@ -13,8 +13,6 @@ chain from ``latest.json`` when the delta's base is the head.
 
 from __future__ import annotations
 
-import contextlib
-import socket as socket_module
 import threading
 from pathlib import Path
 from typing import Any
@@ -240,32 +238,11 @@ class Unreachable(CountingProxy):
         self.dropped = 0
         super().__init__(upstream)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            up = socket_module.create_connection(self.upstream)
-            threading.Thread(target=self._answer, args=(conn, up), daemon=True).start()
-
-    def _answer(self, conn: Any, up: Any) -> None:
-        state = [""]
-        threading.Thread(target=self._pump, args=(up, conn, state, False), daemon=True).start()
-        try:
-            while data := conn.recv(1 << 16):
-                if data.startswith(b"GET ") and self.key in data.split(b"\r\n", 1)[0]:
-                    with self.lock:
-                        self.dropped += 1
-                    break
-                up.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (conn, up):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket_module.SHUT_RDWR)
-                    s.close()
+    def before_forwarding(self, data: bytes, upstream: bool) -> None:
+        if upstream and data.startswith(b"GET ") and self.key in data.split(b"\r\n", 1)[0]:
+            with self.lock:
+                self.dropped += 1
+            raise ConnectionAbortedError(self.key)  # the pump ends both sides without forwarding it
 
 
 def test_a_record_that_keeps_failing_is_asked_once_per_retry_not_five_times_that(
