@@ -265,13 +265,22 @@ def _store_producer() -> Callable[..., LiveProducer]:
             uploader = BlockUploader(self.url, self.storage_options, announce=version)
             self.on_block = uploader
             try:
-                summary = super().diff(state, version)
+                try:
+                    summary = super().diff(state, version)
+                finally:
+                    self.on_block = None
+                    uploader.wait_uploads()  # the blocks; their announcements go on during the push's questions
+                self.group.barrier()
+                if self.group.rank == 0:
+                    push(
+                        self.out / version,
+                        self.url,
+                        storage_options=self.storage_options,
+                        fresh=uploader.uploaded,
+                        on_published=lambda _: uploader.close(),  # the announcements, before the push removes them
+                    )
             finally:
-                self.on_block = None
-                uploader.wait()
-            self.group.barrier()
-            if self.group.rank == 0:
-                push(self.out / version, self.url, storage_options=self.storage_options)
+                uploader.close()
             self.group.barrier()
             return summary
 

@@ -271,3 +271,99 @@ def test_a_record_that_keeps_failing_is_asked_once_per_retry_not_five_times_that
         proxy.close()
     retries = store.fs.retries  # s3fs's own retries of one call; its HTTP client tries a dropped connection twice
     assert 1 <= proxy.dropped <= 2 * retries, proxy.dropped  # (before: 5 x that, s3fs's loop around its loop)
+
+
+class HoldUntil(CountingProxy):
+    """Holds back the first request whose line starts with ``held`` until one starting with ``until`` arrived
+    (at most ``patience`` seconds): a client that waits for the first before it sends the second cannot
+    pass it without the wait running out."""
+
+    def __init__(self, upstream: str, held: bytes, until: bytes, patience: float = 10.0) -> None:
+        self.held_line, self.until_line, self.patience = held, until, patience
+        self.arrived = threading.Event()
+        self.holding = False
+        self.released_by_the_other: bool | None = None
+        super().__init__(upstream)
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        super().seen(data, upstream, state)
+        if upstream and data.startswith(self.until_line):
+            self.arrived.set()
+
+    def before_forwarding(self, data: bytes, upstream: bool) -> None:
+        if not (upstream and data.startswith(self.held_line)):
+            return
+        with self.lock:
+            first, self.holding = not self.holding, True
+        if first:
+            self.released_by_the_other = self.arrived.wait(self.patience)
+
+
+def test_diff_push_neither_asks_before_sending_a_block_nor_waits_for_its_announcement(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """The last block's questions are on the refit's critical path whole, across regions a round trip each:
+    a block goes up without a HEAD first (its id is its content's digest: a new delta's blocks are not on the
+    store), and the push publishes while the block's announcement is still on its way. Each data block is
+    asked about once, by the check just before the record; the announcements are gone afterwards."""
+    from dcr_cli.delta.reader import Delta
+
+    ckpts, (d1, _) = make_deltas(tmp_path, 2)
+    opts = s3_endpoint.storage_options
+    push(d1, s3_url, storage_options=opts)
+    acknowledge(s3_url, "v1", "r0", storage_options=opts)
+    commit(s3_url, "v1", receivers=["r0"], storage_options=opts)
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    root = f"/{bucket}/{prefix}"
+    proxy = HoldUntil(s3_endpoint.url, f"PUT {root}/announced/v2/".encode(), f"PUT {root}/versions/v2.json ".encode())
+    try:
+        args = diff_args(ckpts[1], ckpts[2], tmp_path / "out", "v1", "v2")
+        pushed = run_dcr(*args, "--push", s3_url, "-S", f"endpoint_url={proxy.url}", env=s3_endpoint.env())
+    finally:
+        proxy.close()
+    assert pushed.returncode == 0, pushed.stderr
+    assert proxy.released_by_the_other is True  # the record went out while an announcement was held
+    assert [p["version"] for p in status(s3_url, storage_options=opts)["pending"]] == ["v2"]
+    asked = _asked(proxy, s3_url, {})
+    data = [b.id for b in Delta.open(tmp_path / "out").manifest.blocks if b.role == "data"]
+    assert data and all(asked[("HEAD", f"blocks/{b}")] == 1 for b in data), asked  # the check before the record
+    assert all(asked[("PUT", f"blocks/{b}")] == 1 for b in data), asked
+    assert s3_endpoint.filesystem().ls(f"{bucket}/{prefix}", detail=False)  # the store is there ...
+    assert not s3_endpoint.filesystem().exists(f"{bucket}/{prefix}/announced/v2")  # ... its hints are not
+
+
+def test_diff_push_sends_again_only_what_an_earlier_attempt_did_not_announce(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """A diff --push re-run after a kill: the blocks the killed attempt announced (so had sent) are not sent
+    again; one of them removed meanwhile (a gc) is found by the push's first questions and sent then."""
+    from dcr_cli.delta.reader import Delta
+    from dcr_cli.store import Store
+    from dcr_cli.store.announce import announcement
+    from dcr_cli.store.streaming import BlockUploader
+    from dcr_cli.store.transfer import split_roles
+
+    _, (d1, _) = make_deltas(tmp_path, 2)
+    opts = s3_endpoint.storage_options
+    data, _ = split_roles(Delta.open(d1).manifest)
+    store = Store(s3_url, opts)
+    for b in data:  # the killed attempt: every block sent and announced, then one of them collected
+        store.put(f"blocks/{b.id}", (d1 / b.path).read_bytes())
+        store.put(announcement("v1", b.id, b.size), b"")
+    store.delete(f"blocks/{data[0].id}")
+    proxy = CountingProxy(s3_endpoint.url)
+    through = {**opts, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        uploader = BlockUploader(s3_url, through, announce="v1")
+        for b in data:
+            uploader(b.id, (d1 / b.path).read_bytes())
+        uploader.wait_uploads()
+        assert uploader.uploaded == {} and not [k for k in proxy.requests if k[0] in ("PUT", "HEAD")]
+        result = push(
+            d1, s3_url, storage_options=through, fresh=uploader.uploaded, on_published=lambda _: uploader.close()
+        )
+    finally:
+        uploader.close()
+        proxy.close()
+    assert result.uploaded_blocks - result.repair_uploaded_blocks == 1  # the collected one, sent by the push
+    assert Store(s3_url, opts).read(f"blocks/{data[0].id}") == (d1 / data[0].path).read_bytes()

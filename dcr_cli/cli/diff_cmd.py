@@ -194,15 +194,19 @@ def command(
         from ..store.transfer import PushResult
 
         uploader, store = setup.result()
-        uploader.wait()
 
         def published(result: PushResult) -> None:
+            uploader.close()  # the announcements: done by now, and must be before the push removes them
             if result.repair_pending:  # receivers can start now; the repair blocks go up after publication
                 say(f"{push_url}: published {result.version} (repair blocks follow)", err=True)
 
-        pushed = push(
-            out, push_url, storage_options=options, on_published=published, fresh=uploader.uploaded, store=store
-        )
+        try:
+            uploader.wait_uploads()  # the blocks, not their announcements: those go on during the push's questions
+            pushed = push(
+                out, push_url, storage_options=options, on_published=published, fresh=uploader.uploaded, store=store
+            )
+        finally:
+            uploader.close()
     if summary is None:
         from ..delta.parts import part_dir, try_assemble_last
 
