@@ -208,7 +208,12 @@ class S3Backend(Backend):
             ranged["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
 
         async def get() -> bytes:
-            out = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **ranged)
+            try:
+                out = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **ranged)
+            except OSError as exc:
+                if not start and _invalid_range(exc):
+                    return b""  # S3 refuses any range of an empty object (416): it is there, and empty
+                raise
             try:
                 return bytes(await out["Body"].read())
             finally:
@@ -415,3 +420,12 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _invalid_range(exc: BaseException) -> bool:
+    """Whether ``exc`` is S3's answer to a range past the object's end (s3fs raises it as EINVAL)."""
+    response = getattr(exc.__cause__, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = response.get("Error", {}).get("Code")
+    return code == "InvalidRange" or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416

@@ -421,7 +421,10 @@ class Store:
         saves a commit or a push a round trip per question about the genesis."""
         with self._marker_lock:
             if self._marker is None:
-                self._marker = self.read_record(MARKER, STORE_FORMAT)
+                marker = self.read_record(MARKER, STORE_FORMAT)
+                if marker is not None:  # damaged, it fails every command, not only those that ask for the genesis
+                    Ref.from_json(marker.get("genesis"), f"{self.url}/{MARKER} genesis")
+                self._marker = marker
             return self._marker
 
     def require_marker(self) -> dict[str, Any]:
