@@ -270,6 +270,8 @@ def _store_producer() -> Callable[..., LiveProducer]:
                 finally:
                     self.on_block = None
                     uploader.wait_uploads()  # the blocks; their announcements go on during the push's questions
+                if self.group.rank != 0:
+                    uploader.close()  # this rank's announcements, before rank 0's push publishes and removes them
                 self.group.barrier()
                 if self.group.rank == 0:
                     push(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import read_bits
-from store_fixtures import HoldRequests, S3Endpoint, big_delta, json_out, run_dcr, spawn_dcr
+from store_fixtures import HoldRequests, S3Endpoint, big_delta, json_out, make_deltas, run_dcr, spawn_dcr
 
 from dcr_cli.delta.reader import Delta
 from dcr_cli.format.manifest import BlockEntry
@@ -333,3 +333,69 @@ def test_gc_and_push_remove_everything_under_announcements(
     store.put(announcement("v1", "ab" * 32, 5), b"")
     push(delta, s3_url, storage_options=options)
     assert left() == []
+
+
+def test_a_live_producer_on_two_ranks_leaves_no_announcement_behind_its_publication(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path, monkeypatch
+) -> None:
+    """The live producer on two ranks: every rank's announcements are written before rank 0's push publishes
+    the version and removes ``announced/<V>/``, even one that lands late (a retried request): no hint is left
+    behind a complete version."""
+    import dcr_cli.store.streaming as streaming
+    from dcr_cli.api import _store_producer
+    from dcr_cli.produce.live import Producer as Live
+    from dcr_cli.store.transfer import split_roles
+
+    _, (d1,) = make_deltas(tmp_path, 1)
+    opts = s3_endpoint.storage_options
+    root = tmp_path / "root"
+    shutil.copytree(d1, root / "v1")
+    data, _ = split_roles(Delta.open(d1).manifest)
+    assert data
+    cls = _store_producer()
+    meet = threading.Barrier(2)
+    slow_stores: set[int] = set()
+    real = streaming.announce
+
+    def announce(store, version, block_id, size):  # rank 1's hint: one slow round (a retried 503, say)
+        if id(store) in slow_stores:
+            time.sleep(3)
+        real(store, version, block_id, size)
+
+    monkeypatch.setattr(streaming, "announce", announce)
+
+    class Group:
+        def __init__(self, rank: int) -> None:
+            self.rank, self.world = rank, 2
+
+        def barrier(self) -> None:
+            meet.wait(timeout=60)
+
+    def fake_diff(self, state, version):  # each rank hands its blocks to on_block, as the real diff does
+        if self.group.rank == 1:
+            slow_stores.add(id(self.on_block.store))
+        for b in data[self.group.rank :: 2] or data[:1]:
+            self.on_block(b.id, (d1 / b.path).read_bytes())
+        return None
+
+    monkeypatch.setattr(Live, "diff", fake_diff)
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        p = object.__new__(cls)
+        p.url, p.storage_options, p.out, p.group, p.on_block = s3_url, opts, root, Group(r), None
+        try:
+            p.diff({}, "v1")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    store = Store(s3_url, opts)
+    assert store.version("v1") is not None and store.exists("complete/v1")
+    left = [e.name for e in store.list("announced/v1")]
+    assert left == [], f"stale hints left after publication: {left}"

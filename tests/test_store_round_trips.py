@@ -367,3 +367,54 @@ def test_diff_push_sends_again_only_what_an_earlier_attempt_did_not_announce(
         proxy.close()
     assert result.uploaded_blocks - result.repair_uploaded_blocks == 1  # the collected one, sent by the push
     assert Store(s3_url, opts).read(f"blocks/{data[0].id}") == (d1 / data[0].path).read_bytes()
+
+
+class HoldEachUntilAll(CountingProxy):
+    """Holds back every request whose line starts with ``prefix`` until requests for all of ``along`` have
+    arrived (at most ``patience`` seconds in all): a client that asks them in waves cannot pass it without
+    the wait running out."""
+
+    def __init__(self, upstream: str, prefix: bytes, along: list[str], patience: float = 8.0) -> None:
+        self.prefix, self.along, self.patience = prefix, set(along), patience
+        self.all_arrived = threading.Event()
+        self.in_time: bool | None = None
+        super().__init__(upstream)
+
+    def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
+        super().seen(data, upstream, state)
+        if upstream:
+            for _, path in self._REQUEST.findall(data):
+                self.along.discard(path.decode())
+            if not self.along:
+                self.all_arrived.set()
+
+    def before_forwarding(self, data: bytes, upstream: bool) -> None:
+        if upstream and data.startswith(self.prefix):
+            arrived = self.all_arrived.wait(self.patience)
+            with self.lock:
+                self.in_time = arrived if self.in_time is None else self.in_time and arrived
+
+
+def test_a_push_asks_about_all_its_blocks_in_one_round_however_many(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """24 data blocks: their HEADs go out together, before and after the upload, not in waves of the push's
+    eight workers or the S3 client's ten connections (each wave a round trip on the producer's path)."""
+    from store_fixtures import big_delta
+
+    from dcr_cli.delta.reader import Delta
+
+    delta = big_delta(tmp_path, tensors=24)
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    root = f"/{bucket}/{prefix}"
+    data = [b.id for b in Delta.open(delta).manifest.blocks if b.role == "data"]
+    assert len(data) == 24
+    proxy = HoldEachUntilAll(s3_endpoint.url, f"HEAD {root}/blocks/".encode(), [f"{root}/blocks/{b}" for b in data])
+    through = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    try:
+        result = push(delta, s3_url, storage_options=through)
+    finally:
+        proxy.close()
+    assert result.uploaded_blocks == 24 and proxy.in_time is True
+    asked = _asked(proxy, s3_url, {})
+    assert all(asked[("HEAD", f"blocks/{b}")] == 2 for b in data), asked  # before the upload, before the record

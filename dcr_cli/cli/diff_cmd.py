@@ -196,9 +196,9 @@ def command(
         uploader, store = setup.result()
 
         def published(result: PushResult) -> None:
-            uploader.close()  # the announcements: done by now, and must be before the push removes them
             if result.repair_pending:  # receivers can start now; the repair blocks go up after publication
                 say(f"{push_url}: published {result.version} (repair blocks follow)", err=True)
+            uploader.close()  # the announcements (done by now): before the push removes them
 
         try:
             uploader.wait_uploads()  # the blocks, not their announcements: those go on during the push's questions

@@ -59,7 +59,8 @@ class BlockUploader:
         self.announce = None if self.store.capabilities.local_files else announce
         self.store.require_atomic_publish()  # fail before the diff, not after it
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcr-upload")
-        self._hints = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcr-announce")
+        # As many as the uploads: a hint waiting behind others holds back a waiting receiver's early fetch.
+        self._hints = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcr-announce")
         self._slots = 2 * workers  # blocks waiting, at most
         self._budget = budget
         self._held = 0  # bytes of the blocks waiting

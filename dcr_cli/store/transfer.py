@@ -64,6 +64,7 @@ from .repo import (
 Progress = Callable[[int], None]  # called with bytes transferred
 Total = Callable[[int], None]  # called once, before the transfer, with the bytes it will count
 DEFAULT_WORKERS = 8
+QUESTIONS_IN_FLIGHT = 48  # questions about blocks (HEADs) a push asks at once, within S3_CONNECTIONS
 PUSH_BUDGET_BYTES = 128 << 20  # block bytes a push to an object store holds in memory at once, over all workers
 # A present block older than this is written again by push (format_spec/store-v1.md §4.1 step 4). It
 # must stay well below dcr gc's grace period (1 h by default) minus the longest push.
@@ -123,7 +124,9 @@ def stat_blocks(store: Store, blocks: list[BlockEntry], workers: int) -> dict[st
 
     A push asks only about its own blocks, so its cost follows the delta, not the store.
     """
-    found = parallel((functools.partial(store.stat, f"{BLOCKS}/{b.id}") for b in blocks), workers)
+    # All at once, however many: each is a small request, and a second wave is a round trip more.
+    in_flight = max(workers, min(len(blocks), QUESTIONS_IN_FLIGHT))
+    found = parallel((functools.partial(store.stat, f"{BLOCKS}/{b.id}") for b in blocks), in_flight)
     return {b.id: entry for b, entry in zip(blocks, found, strict=True)}
 
 
