@@ -25,11 +25,16 @@ from dcr_cli.store import acknowledge, commit, push, status
 def _two_versions(tmp_path: Path, s3: S3Endpoint, url: str) -> None:
     """v1 committed (acknowledged by r0), v2 pushed on it."""
     _, (d1, d2) = make_deltas(tmp_path, 2)
+    push(d2, url, storage_options=_commit_first(d1, s3, url))
+
+
+def _commit_first(d1: Path, s3: S3Endpoint, url: str) -> dict[str, Any]:
+    """v1 (``d1``) published, acknowledged by r0 and committed; the endpoint's storage options."""
     opts = s3.storage_options
     push(d1, url, storage_options=opts)
     acknowledge(url, "v1", "r0", storage_options=opts)
     commit(url, "v1", receivers=["r0"], storage_options=opts)
-    push(d2, url, storage_options=opts)
+    return opts
 
 
 def _asked(proxy: CountingProxy, url: str, before: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
@@ -43,6 +48,20 @@ def _asked(proxy: CountingProxy, url: str, before: dict[tuple[str, str], int]) -
         if n and path != f"/{bucket}":
             out[(method, path.removeprefix(f"/{bucket}/{prefix}/"))] = n
     return out
+
+
+def _diff_push_through(
+    proxy: CountingProxy, ckpts: list[Path], tmp_path: Path, s3: S3Endpoint, url: str
+) -> dict[tuple[str, str], int]:
+    """``dcr diff c1 c2 --push`` (v1 -> v2) through ``proxy``, which it closes: v2 is pending; what it asked."""
+    try:
+        args = diff_args(ckpts[1], ckpts[2], tmp_path / "out", "v1", "v2")
+        pushed = run_dcr(*args, "--push", url, "-S", f"endpoint_url={proxy.url}", env=s3.env())
+    finally:
+        proxy.close()
+    assert pushed.returncode == 0, pushed.stderr
+    assert [p["version"] for p in status(url, storage_options=s3.storage_options)["pending"]] == ["v2"]
+    return _asked(proxy, url, {})
 
 
 def test_a_waiting_commit_asks_only_for_the_new_acknowledgement_once_it_lands(
@@ -97,19 +116,8 @@ def test_diff_push_asks_about_the_head_once_and_publishes_in_three_rounds(
     s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
 ) -> None:
     ckpts, (d1, _) = make_deltas(tmp_path, 2)
-    opts = s3_endpoint.storage_options
-    push(d1, s3_url, storage_options=opts)
-    acknowledge(s3_url, "v1", "r0", storage_options=opts)
-    commit(s3_url, "v1", receivers=["r0"], storage_options=opts)
-    proxy = CountingProxy(s3_endpoint.url)
-    try:
-        args = diff_args(ckpts[1], ckpts[2], tmp_path / "out", "v1", "v2")
-        pushed = run_dcr(*args, "--push", s3_url, "-S", f"endpoint_url={proxy.url}", env=s3_endpoint.env())
-    finally:
-        proxy.close()
-    assert pushed.returncode == 0, pushed.stderr
-    assert [p["version"] for p in status(s3_url, storage_options=opts)["pending"]] == ["v2"]
-    asked = _asked(proxy, s3_url, {})
+    _commit_first(d1, s3_endpoint, s3_url)
+    asked = _diff_push_through(CountingProxy(s3_endpoint.url), ckpts, tmp_path, s3_endpoint, s3_url)
     # The base's records once (checked before the diff, kept for the push), the chain never walked.
     assert asked[("GET", "versions/v1.json")] == 1 and asked[("GET", "commits/v0.json")] == 1, asked
     assert ("GET", "latest.json") not in asked, asked
@@ -159,10 +167,7 @@ def test_a_push_asks_its_first_questions_at_once_and_each_in_one_request(
     from dcr_cli.delta.reader import Delta
 
     _, (d1, d2) = make_deltas(tmp_path, 2)
-    opts = s3_endpoint.storage_options
-    push(d1, s3_url, storage_options=opts)
-    acknowledge(s3_url, "v1", "r0", storage_options=opts)
-    commit(s3_url, "v1", receivers=["r0"], storage_options=opts)
+    opts = _commit_first(d1, s3_endpoint, s3_url)
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
     root = f"/{bucket}/{prefix}"
     data = [b.id for b in Delta.open(d2).manifest.blocks if b.role == "data"]
@@ -309,22 +314,12 @@ def test_diff_push_neither_asks_before_sending_a_block_nor_waits_for_its_announc
     from dcr_cli.delta.reader import Delta
 
     ckpts, (d1, _) = make_deltas(tmp_path, 2)
-    opts = s3_endpoint.storage_options
-    push(d1, s3_url, storage_options=opts)
-    acknowledge(s3_url, "v1", "r0", storage_options=opts)
-    commit(s3_url, "v1", receivers=["r0"], storage_options=opts)
+    _commit_first(d1, s3_endpoint, s3_url)
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
     root = f"/{bucket}/{prefix}"
     proxy = HoldUntil(s3_endpoint.url, f"PUT {root}/announced/v2/".encode(), f"PUT {root}/versions/v2.json ".encode())
-    try:
-        args = diff_args(ckpts[1], ckpts[2], tmp_path / "out", "v1", "v2")
-        pushed = run_dcr(*args, "--push", s3_url, "-S", f"endpoint_url={proxy.url}", env=s3_endpoint.env())
-    finally:
-        proxy.close()
-    assert pushed.returncode == 0, pushed.stderr
+    asked = _diff_push_through(proxy, ckpts, tmp_path, s3_endpoint, s3_url)
     assert proxy.released_by_the_other is True  # the record went out while an announcement was held
-    assert [p["version"] for p in status(s3_url, storage_options=opts)["pending"]] == ["v2"]
-    asked = _asked(proxy, s3_url, {})
     data = [b.id for b in Delta.open(tmp_path / "out").manifest.blocks if b.role == "data"]
     assert data and all(asked[("HEAD", f"blocks/{b}")] == 1 for b in data), asked  # the check before the record
     assert all(asked[("PUT", f"blocks/{b}")] == 1 for b in data), asked
