@@ -413,3 +413,31 @@ def test_a_push_asks_about_all_its_blocks_in_one_round_however_many(
     assert result.uploaded_blocks == 24 and proxy.in_time is True
     asked = _asked(proxy, s3_url, {})
     assert all(asked[("HEAD", f"blocks/{b}")] == 2 for b in data), asked  # before the upload, before the record
+
+
+def test_a_listing_is_one_request_whether_the_folder_is_empty_or_not_and_lists_every_page(
+    s3_endpoint: S3Endpoint, s3_url: str
+) -> None:
+    """A receiver waiting for announcements and a commit waiting for acknowledgements list a folder that stays
+    empty until what they wait for lands: s3fs followed each empty listing with one of the parent (two round
+    trips a poll). One request per page; more than a page (1,000 names) is listed whole, files and folders
+    apart, as on a local store."""
+    from dcr_cli.store import Store
+
+    proxy = CountingProxy(s3_endpoint.url)
+    through = {**s3_endpoint.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    try:
+        store = Store(s3_url, through)
+        assert store.list("acks/v1") == [] and store.list_dirs("acks") == []
+        with proxy.lock:
+            assert proxy.requests == {("GET", f"/{bucket}"): 2}, proxy.requests
+        names = {f"{i:04d}.json": b"x" * (i % 7) for i in range(1003)}
+        s3_endpoint.filesystem().pipe({f"{bucket}/{prefix}/acks/v1/{n}": data for n, data in names.items()})
+        s3_endpoint.filesystem().pipe(f"{bucket}/{prefix}/acks/v1/deeper/one.json", b"x")
+        listed = store.list("acks/v1")
+        assert {(e.name, e.size) for e in listed} == {(n, len(data)) for n, data in names.items()}
+        assert all(e.mtime is not None for e in listed)
+        assert store.list_dirs("acks/v1") == ["deeper"] and store.list_dirs("acks") == ["v1"]
+    finally:
+        proxy.close()

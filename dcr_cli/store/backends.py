@@ -71,6 +71,15 @@ class Backend:
         """Bytes ``start:end`` of an object (all of it by default); FileNotFoundError if it is absent."""
         return bytes(self.fs.cat_file(path, start=start, end=end))
 
+    def ls(self, path: str) -> list[dict[str, Any]]:
+        """The listing entries (``name``, ``type``, ``size``, times) directly under ``path``, asked afresh; []
+        if there are none."""
+        self.fs.invalidate_cache(path)
+        try:
+            return list(self.fs.ls(path, detail=True))
+        except FileNotFoundError:
+            return []
+
     def info(self, path: str) -> dict[str, Any] | None:
         """The object's listing entry (size, times), asked afresh; None if there is no object of that name."""
         self.fs.invalidate_cache(path)
@@ -220,6 +229,30 @@ class S3Backend(Backend):
                 out["Body"].close()
 
         return sync(self.fs.loop, get)
+
+    def ls(self, path: str) -> list[dict[str, Any]]:
+        # One listing per page: s3fs follows an empty one with a listing of the parent (is ``path`` a file?),
+        # and a receiver or a commit that waits lists a folder that is empty until the thing it waits for lands.
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(path)
+        prefix = f"{key.rstrip('/')}/" if key else ""
+
+        async def pages() -> list[dict[str, Any]]:
+            entries: list[dict[str, Any]] = []
+            more: dict[str, str] = {}
+            while True:
+                out = await self.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", **more)
+                for obj in out.get("Contents", []):
+                    if obj["Key"] != prefix:  # (a "folder" object some tools write)
+                        entries.append({**obj, "name": f"{bucket}/{obj['Key']}", "type": "file", "size": obj["Size"]})
+                for common in out.get("CommonPrefixes", []):
+                    entries.append({"name": f"{bucket}/{common['Prefix'].rstrip('/')}", "type": "directory", "size": 0})
+                if not out.get("IsTruncated"):
+                    return entries
+                more = {"ContinuationToken": out["NextContinuationToken"]}
+
+        return sync(self.fs.loop, pages)
 
     def info(self, path: str) -> dict[str, Any] | None:
         # One HEAD: s3fs follows a 404 with a listing, to tell a missing object from a "directory" (no

@@ -345,11 +345,7 @@ class Store:
         path = self.path(rel_dir)
 
         def run() -> builtins.list[Listing]:
-            self.fs.invalidate_cache(path)
-            try:
-                entries = self.fs.ls(path, detail=True)
-            except FileNotFoundError:
-                return []
+            entries = self.backend.ls(path)
             return [
                 Listing(e["name"].rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0), self.backend.mtime(e))
                 for e in entries
@@ -362,12 +358,9 @@ class Store:
         path = self.path(rel_dir)
 
         def run() -> builtins.list[str]:
-            self.fs.invalidate_cache(path)
-            try:
-                entries = self.fs.ls(path, detail=True)
-            except FileNotFoundError:
-                return []
-            return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+            return [
+                e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.backend.ls(path) if e.get("type") == "directory"
+            ]
 
         return self.call(run, f"list {rel_dir}/")
 
