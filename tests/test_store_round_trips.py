@@ -365,29 +365,35 @@ def test_diff_push_sends_again_only_what_an_earlier_attempt_did_not_announce(
 
 
 class HoldEachUntilAll(CountingProxy):
-    """Holds back every request whose line starts with ``prefix`` until requests for all of ``along`` have
-    arrived (at most ``patience`` seconds in all): a client that asks them in waves cannot pass it without
-    the wait running out."""
+    """Holds back every request whose line starts with ``prefix``, for a key of ``along``, until each key of
+    ``along`` has been asked as often as it (its round: each waits at most ``patience`` seconds): a client
+    that asks a round of them in waves cannot pass it without a wait running out."""
 
     def __init__(self, upstream: str, prefix: bytes, along: list[str], patience: float = 8.0) -> None:
-        self.prefix, self.along, self.patience = prefix, set(along), patience
-        self.all_arrived = threading.Event()
+        self.prefix, self.patience = prefix, patience
+        self.asked = dict.fromkeys(along, 0)  # requests seen per key
+        self.rounds = threading.Condition()
         self.in_time: bool | None = None
         super().__init__(upstream)
 
     def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
         super().seen(data, upstream, state)
-        if upstream:
-            for _, path in self._REQUEST.findall(data):
-                self.along.discard(path.decode())
-            if not self.along:
-                self.all_arrived.set()
+        if upstream and data.startswith(self.prefix):
+            key = data.split(b" ", 2)[1].split(b"?", 1)[0].decode()
+            with self.rounds:
+                if key in self.asked:
+                    self.asked[key] += 1
+                    self.rounds.notify_all()
 
     def before_forwarding(self, data: bytes, upstream: bool) -> None:
-        if upstream and data.startswith(self.prefix):
-            arrived = self.all_arrived.wait(self.patience)
-            with self.lock:
-                self.in_time = arrived if self.in_time is None else self.in_time and arrived
+        if not (upstream and data.startswith(self.prefix)):
+            return
+        key = data.split(b" ", 2)[1].split(b"?", 1)[0].decode()
+        with self.rounds:
+            round_ = self.asked.get(key, 0)  # (seen() has counted this request)
+            arrived = self.rounds.wait_for(lambda: min(self.asked.values()) >= round_, self.patience)
+        with self.lock:
+            self.in_time = arrived if self.in_time is None else self.in_time and arrived
 
 
 def test_a_push_asks_about_all_its_blocks_in_one_round_however_many(

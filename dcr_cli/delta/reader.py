@@ -48,6 +48,7 @@ from ..format.manifest import (
     Section,
     parse_manifest,
 )
+from ..io.clients import client_options
 from ..io.gc_pause import no_collections
 from .prefetch import BlockFetcher
 from .source import BlockSource, StoreManifestSource
@@ -101,7 +102,7 @@ class Delta:
         names, else read from the store as without it (a hint, never a failure)."""
         location = os.fspath(url)
         try:
-            fs, path = fsspec.core.url_to_fs(location, **(storage_options or {}))
+            fs, path = fsspec.core.url_to_fs(location, **client_options(location, storage_options))
         except (ImportError, ValueError) as exc:
             raise DcrError(f"cannot open {location}: {exc}") from None
         path = path.rstrip("/") or path

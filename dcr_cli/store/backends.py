@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import fsspec
 
 from ..errors import DcrError
+from ..io.clients import client_options
 from ..io.files import fsync_dir
 from ..io.reading import read_regular_file
 from ..io.retry import describe, transient_for
@@ -438,11 +439,8 @@ def backend_for(fs: fsspec.AbstractFileSystem) -> Backend:
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Backend, str]:
     """(backend, root path) of a store URL; a missing client package says what to install."""
-    options = dict(storage_options or {})
-    if fsspec.core.split_protocol(url)[0] in S3Backend.protocols:
-        options = _with_connections(options)
     try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
+        fs, root = fsspec.core.url_to_fs(url, **client_options(url, storage_options))
     except ImportError as exc:
         protocol = fsspec.core.split_protocol(url)[0] or "file"
         package = backend_class(protocol).package
@@ -451,21 +449,6 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     except ValueError as exc:
         raise DcrError(f"cannot open {url}: {describe(exc)}") from None
     return backend_for(fs), root
-
-
-# Connections an S3 client keeps open at once, unless the storage options say otherwise. botocore's 10
-# made a round of questions larger than that (a push's HEADs of its blocks, beside its manifest and
-# children entry) take two round trips, across regions on the producer's critical path.
-S3_CONNECTIONS = 64
-
-
-def _with_connections(options: dict[str, Any]) -> dict[str, Any]:
-    config = options.get("config_kwargs")
-    if config is None:
-        return {**options, "config_kwargs": {"max_pool_connections": S3_CONNECTIONS}}
-    if isinstance(config, dict) and "max_pool_connections" not in config:
-        return {**options, "config_kwargs": {**config, "max_pool_connections": S3_CONNECTIONS}}
-    return options
 
 
 def _unlink_quietly(path: str) -> None:
