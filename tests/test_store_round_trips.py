@@ -279,12 +279,12 @@ def test_a_record_that_keeps_failing_is_asked_once_per_retry_not_five_times_that
 
 
 class HoldUntil(CountingProxy):
-    """Holds back the first request whose line starts with ``held`` until one starting with ``until`` arrived
-    (at most ``patience`` seconds): a client that waits for the first before it sends the second cannot
-    pass it without the wait running out."""
+    """Holds back the first request whose line starts with ``held`` until ``times`` requests starting with
+    ``until`` arrived (at most ``patience`` seconds): a client that waits for the first before it sends the
+    last of those cannot pass it without the wait running out."""
 
-    def __init__(self, upstream: str, held: bytes, until: bytes, patience: float = 10.0) -> None:
-        self.held_line, self.until_line, self.patience = held, until, patience
+    def __init__(self, upstream: str, held: bytes, until: bytes, patience: float = 10.0, times: int = 1) -> None:
+        self.held_line, self.until_line, self.patience, self.times = held, until, patience, times
         self.arrived = threading.Event()
         self.holding = False
         self.released_by_the_other: bool | None = None
@@ -293,7 +293,9 @@ class HoldUntil(CountingProxy):
     def seen(self, data: bytes, upstream: bool, state: list[str]) -> None:
         super().seen(data, upstream, state)
         if upstream and data.startswith(self.until_line):
-            self.arrived.set()
+            self.times -= 1
+            if self.times <= 0:
+                self.arrived.set()
 
     def before_forwarding(self, data: bytes, upstream: bool) -> None:
         if not (upstream and data.startswith(self.held_line)):
@@ -325,6 +327,23 @@ def test_diff_push_neither_asks_before_sending_a_block_nor_waits_for_its_announc
     assert all(asked[("PUT", f"blocks/{b}")] == 1 for b in data), asked
     assert s3_endpoint.filesystem().ls(f"{bucket}/{prefix}", detail=False)  # the store is there ...
     assert not s3_endpoint.filesystem().exists(f"{bucket}/{prefix}/announced/v2")  # ... its hints are not
+
+
+def test_diff_push_asks_its_first_questions_while_its_last_block_is_on_its_way(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """The push after the diff asks the store's state (the version's record, the head) while the last block
+    is still uploading: only the blocks' own check waits for the uploads. The block is held until the push's
+    question about the version arrives (the second: the first is the check before the diff)."""
+    ckpts, (d1, _) = make_deltas(tmp_path, 2)
+    _commit_first(d1, s3_endpoint, s3_url)
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    root = f"/{bucket}/{prefix}"
+    held, until = f"PUT {root}/blocks/".encode(), f"GET {root}/versions/v2.json ".encode()
+    proxy = HoldUntil(s3_endpoint.url, held, until, times=2)
+    asked = _diff_push_through(proxy, ckpts, tmp_path, s3_endpoint, s3_url)
+    assert proxy.released_by_the_other is True, asked
+    assert asked[("GET", "versions/v2.json")] == 2 and asked[("PUT", "versions/v2.json")] == 1, asked
 
 
 def test_diff_push_sends_again_only_what_an_earlier_attempt_did_not_announce(

@@ -201,9 +201,16 @@ def command(
             uploader.close()  # the announcements (done by now): before the push removes them
 
         try:
-            uploader.wait_uploads()  # the blocks, not their announcements: those go on during the push's questions
+            # The push's first questions go out while the last blocks are still on their way (the blocks'
+            # announcements go on until publication).
             pushed = push(
-                out, push_url, storage_options=options, on_published=published, fresh=uploader.uploaded, store=store
+                out,
+                push_url,
+                storage_options=options,
+                on_published=published,
+                fresh=uploader.uploaded,
+                store=store,
+                uploads_done=uploader.wait_uploads,
             )
         finally:
             uploader.close()

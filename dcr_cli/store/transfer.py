@@ -215,6 +215,7 @@ def push(
     on_published: Callable[[PushResult], None] | None = None,
     fresh: Mapping[str, int] | None = None,
     store: Store | None = None,
+    uploads_done: Callable[[], None] | None = None,
 ) -> PushResult:
     """Publish the delta at ``delta`` as version ``<its target version>`` on the store at ``url``.
 
@@ -236,6 +237,9 @@ def push(
     present and young without asking; the check that every data block is there, just before the
     record is written, asks about them as about every other. ``store``: the Store of ``url`` the
     caller has open already (``check_push_base``'s): the records it found are not asked again.
+    ``uploads_done``: waits for the caller's uploads still in flight (``dcr diff --push``'s last blocks),
+    which fill ``fresh``; called once the first questions are answered (they go out meanwhile) and before
+    any block is asked about.
     """
     started = time.monotonic()
     # A delta given as a URL (s3://bucket/delta) is read with the options given for the store: one endpoint.
@@ -259,9 +263,14 @@ def push(
     first: list[Callable[[], Any]] = [
         store.marker,
         functools.partial(_version_and_is_head, store, version, base_ref),
-        functools.partial(uploader.ask, data_blocks, fresh=None if verify_remote else fresh),
     ]
-    _, (existing, is_head), found = parallel(first, len(first))
+    if uploads_done is None:
+        first.append(functools.partial(uploader.ask, data_blocks, fresh=None if verify_remote else fresh))
+    _, (existing, is_head), *asked = parallel(first, len(first))
+    if uploads_done is not None:  # the last blocks went up while the first questions were asked
+        uploads_done()
+        asked = [uploader.ask(data_blocks, fresh=None if verify_remote else fresh)]
+    found = asked[0]
     genesis = store.init(base_ref)  # asks nothing more where the marker was found
     if version == genesis.version:
         # commits/<genesis>.json would name a version whose own commit record is itself: the chain would loop.
