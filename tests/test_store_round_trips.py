@@ -285,8 +285,8 @@ class HoldUntil(CountingProxy):
 
     def __init__(self, upstream: str, held: bytes, until: bytes, patience: float = 10.0, times: int = 1) -> None:
         self.held_line, self.until_line, self.patience, self.times = held, until, patience, times
-        self.arrived = threading.Event()
         self.holding = False
+        self.arrived = threading.Event()
         self.released_by_the_other: bool | None = None
         super().__init__(upstream)
 
@@ -344,6 +344,23 @@ def test_diff_push_asks_its_first_questions_while_its_last_block_is_on_its_way(
     asked = _diff_push_through(proxy, ckpts, tmp_path, s3_endpoint, s3_url)
     assert proxy.released_by_the_other is True, asked
     assert asked[("GET", "versions/v2.json")] == 2 and asked[("PUT", "versions/v2.json")] == 1, asked
+
+
+def test_a_diff_push_rerun_asks_about_its_blocks_with_its_first_questions(
+    s3_endpoint: S3Endpoint, s3_url: str, tmp_path: Path
+) -> None:
+    """The diff finds its delta already there (and asks the store nothing), so no block went through the
+    uploader: the push asks about them all together with the version's record, not after it."""
+    ckpts, (d1, _) = make_deltas(tmp_path, 2)
+    _commit_first(d1, s3_endpoint, s3_url)
+    args = diff_args(ckpts[1], ckpts[2], tmp_path / "out", "v1", "v2")
+    assert run_dcr(*args, env=s3_endpoint.env()).returncode == 0  # the delta, not pushed
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    root = f"/{bucket}/{prefix}"
+    held, until = f"GET {root}/versions/v2.json ".encode(), f"HEAD {root}/blocks/".encode()
+    proxy = HoldUntil(s3_endpoint.url, held, until)
+    asked = _diff_push_through(proxy, ckpts, tmp_path, s3_endpoint, s3_url)
+    assert proxy.released_by_the_other is True, asked
 
 
 def test_diff_push_sends_again_only_what_an_earlier_attempt_did_not_announce(

@@ -117,8 +117,8 @@ class BlockUploader:
                 self._cond.notify_all()
 
     def wait_uploads(self) -> None:
-        """Wait for every block's upload (not its announcement); raise the first failure (the push that
-        follows would retry it anyway)."""
+        """Wait for every block's upload (not its announcement); raise the first failure (``dcr diff --push``
+        gives this to its push as ``uploads_done``: the failure stops the push before it writes anything)."""
         try:
             for future in self._futures:
                 future.result()

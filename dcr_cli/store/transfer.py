@@ -260,17 +260,18 @@ def push(
     # The questions that do not depend on each other go out at once, before anything is written: one
     # round trip, not four in sequence, on the producer's critical path (each one across regions).
     base_ref = Ref(manifest.base.version, manifest.base.fingerprint)
+
+    def blocks() -> dict[str, Listing | None]:
+        if uploads_done is not None:  # the caller's last blocks: on their way while the other questions go out
+            uploads_done()
+        return uploader.ask(data_blocks, fresh=None if verify_remote else fresh)
+
     first: list[Callable[[], Any]] = [
         store.marker,
         functools.partial(_version_and_is_head, store, version, base_ref),
+        blocks,
     ]
-    if uploads_done is None:
-        first.append(functools.partial(uploader.ask, data_blocks, fresh=None if verify_remote else fresh))
-    _, (existing, is_head), *asked = parallel(first, len(first))
-    if uploads_done is not None:  # the last blocks went up while the first questions were asked
-        uploads_done()
-        asked = [uploader.ask(data_blocks, fresh=None if verify_remote else fresh)]
-    found = asked[0]
+    _, (existing, is_head), found = parallel(first, len(first))
     genesis = store.init(base_ref)  # asks nothing more where the marker was found
     if version == genesis.version:
         # commits/<genesis>.json would name a version whose own commit record is itself: the chain would loop.
