@@ -198,7 +198,8 @@ class S3Backend(Backend):
     Each question costs one round trip, which across regions is what a refit's publication, receivers and
     commit wait on: a question about an object is one HEAD, and a write sends its body with its headers
     (botocore asks the store's go-ahead first, ``Expect: 100-continue``, a round trip for every PUT and
-    part). Reads are one ranged GET each (``Store.read`` bounds every read, so s3fs asks no size first).
+    part). Reads are one ranged GET each (``Store.read`` bounds every read, so s3fs asks no size first), and a
+    listing one request per page.
     """
 
     protocols = ("s3", "s3a")
